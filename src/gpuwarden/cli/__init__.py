@@ -1,0 +1,61 @@
+"""The ``gpuwarden`` command line: parse, call the library, report.
+
+Each subcommand lives in its own module of this package with two functions,
+``add_parser(subparsers)`` and ``run(args) -> int``; their top-level imports stay
+cheap (no torch, no rich) so that every command starts fast. Data goes to
+stdout, diagnostics to stderr. Exit codes: 0 ok, 1 failure, 2 usage or bad
+input, 3 no GPU/NVML where one is required, 4 constraint not met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gpuwarden import __version__
+from gpuwarden.errors import EXIT_USAGE, GpuwardenError
+
+# Subcommand modules, in the order `gpuwarden --help` lists them.
+COMMANDS = ("ls", "select")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuwarden",
+        description="CUDA that works across processes: GPU inventory and selection through NVML, "
+        "leases, a torchrun-compatible launcher, pools, and diagnoses of what went wrong.",
+        epilog="GPU state comes from NVML; set GPUWARDEN_SIMULATE=<scenario.json> to use a "
+        "simulated host instead. Exit codes: 0 ok, 1 failure, 2 usage or bad input, "
+        "3 no GPU/NVML, 4 constraint not met.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"gpuwarden.cli.{name.replace('-', '_')}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default: sys.argv[1:]) and return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help/--version exit 0, bad usage exits 2
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if not getattr(args, "run", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.run(args))
+    except GpuwardenError as exc:
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def console_main() -> None:
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""``gpuwarden select``: pick N GPUs and say why each GPU was taken or refused."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from gpuwarden.cli._output import emit_json, is_terminal, note
+from gpuwarden.errors import EXIT_CONSTRAINT, UsageError
+
+
+def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, ...] = ("-n", "--count")
+                        ) -> None:
+    """The selection flags shared by select, run and launch."""
+    if count_flags:
+        p.add_argument(*count_flags, dest="count", type=int, default=1, metavar="N",
+                       help="how many GPUs (default 1)")
+    p.add_argument("--min-free", metavar="SIZE", default="0",
+                   help="minimum free memory per GPU, e.g. 20GiB, 512MiB, or bytes")
+    p.add_argument("--max-util", metavar="PCT", type=int, default=None,
+                   help="maximum GPU utilization in percent")
+    p.add_argument("--allow-shared", action="store_true",
+                   help="accept GPUs that already run other processes (default compute mode only)")
+    p.add_argument("--include", metavar="IDS", default="",
+                   help="only consider these GPUs (comma-separated indices or UUIDs)")
+    p.add_argument("--exclude", metavar="IDS", default="",
+                   help="never pick these GPUs (comma-separated indices or UUIDs)")
+
+
+def constraints_from_args(args: argparse.Namespace) -> Any:
+    from gpuwarden.select import Constraints
+    from gpuwarden.units import parse_size
+
+    count = getattr(args, "count", 1)
+    if count is None or count < 1:
+        raise UsageError(f"-n {count}: the number of GPUs must be at least 1", fix="give -n 1 or more")
+    if args.max_util is not None and not 0 <= args.max_util <= 100:
+        raise UsageError(f"--max-util {args.max_util} is not a percentage", fix="give 0..100")
+    return Constraints(
+        count=count,
+        min_free_bytes=parse_size(args.min_free, what="--min-free"),
+        max_util_pct=args.max_util,
+        allow_shared=args.allow_shared,
+        include=_ids(args.include),
+        exclude=_ids(args.exclude),
+    )
+
+
+def _ids(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "select",
+        help="pick N GPUs by free memory, utilization, compute mode and foreign processes",
+        description="Pick N GPUs and print their ids (for CUDA_VISIBLE_DEVICES, with "
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID). The reason for every GPU goes to stderr. "
+        "Exit 0 when N were found, 4 when not, 3 when no GPU can be read, 2 for bad input.",
+    )
+    add_constraint_args(p)
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
+    out.add_argument("--format", choices=("ids", "env", "csv"), default="ids",
+                     help="ids: 1,3 (default); env: CUDA_VISIBLE_DEVICES=1,3; csv: a row per GPU")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every GPU's verdict on success too")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuwarden.inventory import read_visible
+    from gpuwarden.select import select
+
+    constraints = constraints_from_args(args)
+    _host, gpus = read_visible()
+    selection = select(gpus, constraints)
+    if args.json:
+        emit_json({
+            "selected": [v.to_dict() for v in selection.verdicts if v.gpu in selection.selected],
+            "rejected": [v.to_dict() for v in selection.rejected],
+            "unselected": [v.to_dict() for v in selection.verdicts
+                           if v.accepted and v.gpu not in selection.selected],
+            "satisfied": selection.satisfied,
+        })
+    if not selection.satisfied:
+        note(selection.error().render())
+        return EXIT_CONSTRAINT
+    if not args.json:
+        ids = ",".join(g.cuda_id for g in selection.selected)
+        if args.format == "env":
+            print(f"CUDA_VISIBLE_DEVICES={ids}")
+        elif args.format == "csv":
+            print("index,uuid,name,memory_free_bytes,utilization_gpu_pct")
+            for g in selection.selected:
+                util = "" if g.utilization_gpu_pct is None else g.utilization_gpu_pct
+                print(f"{g.index},{g.uuid},{g.name},{g.memory_free_bytes},{util}")
+        else:
+            print(ids)
+    if args.verbose or is_terminal(sys.stderr):
+        note("\n".join(v.line() for v in selection.verdicts))
+    return 0
+

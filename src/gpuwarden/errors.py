@@ -1,0 +1,146 @@
+"""The one exception tree of gpuwarden.
+
+Every failure a user can see is a :class:`GpuwardenError` carrying four parts —
+what happened, why, the fix, and the evidence — plus a stable ``code`` and the
+process exit code the CLI uses for it. Codes come from ``failure-codes.md``
+(CUDA/NCCL/rendezvous failures) or, for gpuwarden's own conditions, from
+:data:`GPUWARDEN_CODES` below.
+
+Tree (exit code in brackets)::
+
+    GpuwardenError [1]
+    ├── UsageError [2]            bad argument, variable, or input file
+    │   ├── ScenarioError         simulated-host file unreadable or invalid
+    │   └── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    ├── NoGPUError [3]            NVML/driver missing where a GPU is required
+    ├── NVMLError [1]             NVML present but a query failed
+    └── ConstraintError [4]       a request could not be met (selection, lease wait)
+
+Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
+with ``raise ... from``, so the original is kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# gpuwarden's own codes, beside the failure vocabulary of failure-codes.md.
+GPUWARDEN_CODES = {
+    "USAGE": "a command-line argument or environment variable is malformed",
+    "SCENARIO_INVALID": "the simulated-host scenario file cannot be read or is invalid",
+    "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
+    "NVML_ERROR": "NVML answered a query with an error",
+    "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+}
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_NO_GPU = 3
+EXIT_CONSTRAINT = 4
+
+
+class GpuwardenError(Exception):
+    """Base of every gpuwarden error: what, why, fix, evidence, code, exit code."""
+
+    code: str = "INTERNAL"
+    exit_code: int = EXIT_FAILURE
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        why: str | None = None,
+        fix: str | None = None,
+        evidence: str | Sequence[str] | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(what)
+        self.what = what
+        self.why = why
+        self.fix = fix
+        if evidence is None:
+            self.evidence: tuple[str, ...] = ()
+        elif isinstance(evidence, str):
+            self.evidence = (evidence,)
+        else:
+            self.evidence = tuple(evidence)
+        if code is not None:
+            self.code = code
+
+    def render(self) -> str:
+        """The multi-line report of STYLE.md: ``error[CODE]: what`` then why/fix/evidence."""
+        lines = [f"error[{self.code}]: {self.what}"]
+        if self.why:
+            lines.append(f"  why: {self.why}")
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
+        for item in self.evidence:
+            lines.append(f"  evidence: {item}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "what": self.what,
+            "why": self.why,
+            "fix": self.fix,
+            "evidence": list(self.evidence),
+            "exit_code": self.exit_code,
+        }
+
+
+class _OneLine(GpuwardenError):
+    """Errors about the setup rather than a run: one line with the fix, no evidence block."""
+
+    def render(self) -> str:
+        line = f"error[{self.code}]: {self.what}"
+        if self.why:
+            line += f" ({self.why})"
+        if self.fix:
+            line += f"; fix: {self.fix}"
+        return line
+
+
+class UsageError(_OneLine):
+    """A malformed argument, variable or input: rendered on one line, exit code 2."""
+
+    code = "USAGE"
+    exit_code = EXIT_USAGE
+
+
+class ScenarioError(UsageError):
+    """The file named by GPUWARDEN_SIMULATE is missing, not JSON, or has a bad field."""
+
+    code = "SCENARIO_INVALID"
+
+
+class VisibilityError(UsageError):
+    """CUDA_VISIBLE_DEVICES (or Slurm's GPU variables) name no usable device.
+
+    Usual causes: an empty value or ``-1``, an entry that matches no GPU (CUDA stops
+    enumerating at the first invalid one), a repeated entry (CUDA then sees none).
+    """
+
+    code = "CUDA_NO_DEVICE"
+
+
+class NoGPUError(_OneLine):
+    """GPU state cannot be read at all: no NVML library, no driver, or no device node."""
+
+    code = "NVML_UNAVAILABLE"
+    exit_code = EXIT_NO_GPU
+
+
+class NVMLError(GpuwardenError):
+    """NVML is present but answered a query with an error."""
+
+    code = "NVML_ERROR"
+
+
+class ConstraintError(GpuwardenError):
+    """The request was valid but cannot be met now: too few usable GPUs, a wait timed out."""
+
+    code = "SELECT_UNSATISFIED"
+    exit_code = EXIT_CONSTRAINT

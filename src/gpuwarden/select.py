@@ -1,0 +1,165 @@
+"""GPU selection: a pure function from snapshots and constraints to a decision.
+
+Every GPU gets a verdict with a reason a person can act on, e.g.
+``GPU 2: refused: exclusive_process mode, held by pid 5151 (carol, python eval.py)``.
+Order among the acceptable GPUs: most free memory first, then lowest
+utilization, then lowest index — deterministic for equal snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwarden.errors import ConstraintError
+from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot
+from gpuwarden.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the caller needs. ``include``/``exclude`` hold indices or (prefixes of) UUIDs."""
+
+    count: int = 1
+    min_free_bytes: int = 0
+    max_util_pct: int | None = None
+    allow_shared: bool = False  # accept GPUs that already run processes (DEFAULT mode only)
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    # Processes to not count as foreign (the caller's own, or the holders of its leases).
+    own_pids: frozenset[int] = frozenset()
+    # GPUs unavailable for reasons outside NVML, by uuid (e.g. "leased by pid 812 (alice) for 3m").
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gpu: GPUSnapshot
+    accepted: bool
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.gpu.label}: {'ok' if self.accepted else 'refused'}: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.gpu.index, "uuid": self.gpu.uuid, "id": self.gpu.cuda_id,
+                "accepted": self.accepted, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """``selected`` holds ``count`` GPUs when the request is met, and is empty otherwise;
+    ``verdicts`` covers every candidate, in the order of preference."""
+
+    constraints: Constraints
+    verdicts: tuple[Verdict, ...]
+    selected: tuple[GPUSnapshot, ...]
+
+    @property
+    def satisfied(self) -> bool:
+        return len(self.selected) == self.constraints.count
+
+    @property
+    def acceptable(self) -> tuple[GPUSnapshot, ...]:
+        return tuple(v.gpu for v in self.verdicts if v.accepted)
+
+    @property
+    def rejected(self) -> tuple[Verdict, ...]:
+        return tuple(v for v in self.verdicts if not v.accepted)
+
+    def error(self) -> ConstraintError:
+        """Why the request is not met: a ConstraintError (exit 4) with every GPU's verdict."""
+        c = self.constraints
+        return ConstraintError(
+            f"{c.count} GPU(s) requested, {len(self.acceptable)} of {len(self.verdicts)} usable",
+            why=None if self.verdicts else "no GPU is visible to this process",
+            fix=_fix_hint(self),
+            evidence=[v.line() for v in self.verdicts],
+        )
+
+    def require(self) -> tuple[GPUSnapshot, ...]:
+        """The selected GPUs, or raise :meth:`error`."""
+        if self.satisfied:
+            return self.selected
+        raise self.error()
+
+
+def _fix_hint(sel: Selection) -> str:
+    reasons = " ".join(v.reason for v in sel.rejected)
+    hints = []
+    if "in use by" in reasons:
+        hints.append("--allow-shared to share GPUs in the default compute mode")
+    if "free" in reasons:
+        hints.append("a lower --min-free")
+    if "utilization" in reasons:
+        hints.append("a higher --max-util")
+    hints.append("fewer GPUs, or wait for GPUs to free (gpuwarden run --wait)")
+    return "ask for " + ", or ".join(hints)
+
+
+def _matches(gpu: GPUSnapshot, ids: Sequence[str]) -> bool:
+    for ident in ids:
+        if ident.isdigit() and int(ident) == gpu.index and not gpu.is_mig_instance:
+            return True
+        if not ident.isdigit() and gpu.uuid.startswith(ident):
+            return True
+    return False
+
+
+def judge(gpu: GPUSnapshot, c: Constraints) -> Verdict:
+    """The verdict on one GPU; the first refusal found is the reason given."""
+    foreign = [p for p in gpu.processes if p.pid not in c.own_pids]
+    free = format_bytes(gpu.memory_free_bytes)
+
+    def no(reason: str) -> Verdict:
+        return Verdict(gpu, False, reason)
+
+    if c.include and not _matches(gpu, c.include):
+        return no("not in the requested list")
+    if c.exclude and _matches(gpu, c.exclude):
+        return no("excluded on request")
+    if gpu.uuid in c.unavailable:
+        return no(c.unavailable[gpu.uuid])
+    if gpu.compute_mode is ComputeMode.PROHIBITED:
+        return no("prohibited compute mode: no process may create a CUDA context on it")
+    if gpu.mig_enabled and not gpu.is_mig_instance:
+        ids = ", ".join(m.uuid for m in gpu.mig_devices) or "none configured"
+        return no(f"MIG enabled: name one of its instances in CUDA_VISIBLE_DEVICES ({ids})")
+    if gpu.compute_mode.is_exclusive and foreign:
+        return no(f"{gpu.compute_mode.value} mode, held by {foreign[0].describe()}")
+    if foreign and not c.allow_shared:
+        who = "; ".join(p.describe() for p in foreign[:3])
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        return no(f"in use by {len(foreign)} other process(es): {who}{more}")
+    if gpu.memory_free_bytes < c.min_free_bytes:
+        return no(f"{free} free, {format_bytes(c.min_free_bytes)} required")
+    util = gpu.utilization_gpu_pct
+    if c.max_util_pct is not None and util is not None and util > c.max_util_pct:
+        return no(f"utilization {util}% > {c.max_util_pct}%")
+    detail = [f"{free} free"]
+    if util is not None:
+        detail.append(f"{util}% utilization")
+    if gpu.compute_mode is not ComputeMode.DEFAULT:
+        detail.append(f"{gpu.compute_mode.value} mode, idle")
+    if foreign:
+        detail.append(f"shared with {len(foreign)} process(es)")
+    return Verdict(gpu, True, ", ".join(detail))
+
+
+def preference_key(gpu: GPUSnapshot) -> tuple[int, int, int, str]:
+    util = gpu.utilization_gpu_pct if gpu.utilization_gpu_pct is not None else 0
+    return (-gpu.memory_free_bytes, util, gpu.index, gpu.uuid)
+
+
+def select(gpus: Sequence[GPUSnapshot], constraints: Constraints) -> Selection:
+    """Judge every GPU and pick ``constraints.count`` of the acceptable ones."""
+    if constraints.count < 0:
+        raise ValueError("count must be >= 0")
+    # Acceptable GPUs in order of preference, then the refused ones by index.
+    verdicts = sorted((judge(g, constraints) for g in gpus),
+                      key=lambda v: (0, *preference_key(v.gpu)) if v.accepted
+                      else (1, 0, 0, v.gpu.index, v.gpu.uuid))
+    accepted = [v.gpu for v in verdicts if v.accepted]
+    chosen = tuple(accepted[: constraints.count]) if len(accepted) >= constraints.count else ()
+    return Selection(constraints, tuple(verdicts), chosen)
