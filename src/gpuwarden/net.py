@@ -1,0 +1,195 @@
+"""The one place that touches sockets and name resolution: bounded probes for rendezvous.
+
+Every probe has a deadline of seconds: PyTorch's own rendezvous retries a DNS
+failure or a dropped SYN silently for 10–30 minutes, which is the stall
+gpuwarden exists to cut short. Results say *which* failure it was (refused vs.
+timed out vs. no route vs. unknown name), because each has a different cause:
+
+- refused: the host answered, nothing listens on the port (rank 0 not up yet, wrong port);
+- timed out: nothing answered at all (a firewall dropping packets, a wrong address);
+- no route / unreachable: the host or its network cannot be reached from here;
+- unknown name: the resolver does not know the name (RDZV_DNS).
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ProbeStatus(str, Enum):
+    OK = "ok"
+    REFUSED = "refused"
+    TIMEOUT = "timeout"
+    NO_ROUTE = "no_route"
+    DNS = "dns"
+    ERROR = "error"
+
+
+# failure-codes.md code for each probe outcome
+PROBE_CODES = {
+    ProbeStatus.REFUSED: "RDZV_CONN_REFUSED",
+    ProbeStatus.TIMEOUT: "RDZV_CONNECT_TIMEOUT",
+    ProbeStatus.NO_ROUTE: "RDZV_CONN_REFUSED",
+    ProbeStatus.DNS: "RDZV_DNS",
+    ProbeStatus.ERROR: "RDZV_CONN_REFUSED",
+}
+
+
+@dataclass(frozen=True)
+class Resolution:
+    host: str
+    addresses: tuple[str, ...]  # empty when the name is unknown
+    error: str | None  # the resolver's words, e.g. "[Errno -2] Name or service not known"
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.addresses)
+
+    @property
+    def all_loopback(self) -> bool:
+        return self.ok and all(is_loopback(a) for a in self.addresses)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    host: str
+    port: int
+    status: ProbeStatus
+    detail: str
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ProbeStatus.OK
+
+    @property
+    def code(self) -> str | None:
+        return PROBE_CODES.get(self.status)
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve(host: str, *, timeout_s: float = 3.0) -> Resolution:
+    """Resolve ``host`` with a deadline.
+
+    getaddrinfo has no timeout of its own and can block for the resolver's full
+    retry cycle, so it runs in a daemon thread that we stop waiting for.
+    """
+    start = time.monotonic()
+    try:
+        ipaddress.ip_address(host)
+        return Resolution(host, (host,), None, 0.0)
+    except ValueError:
+        pass
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            box["addrs"] = tuple(dict.fromkeys(str(i[4][0]) for i in infos))
+        except (OSError, UnicodeError) as exc:
+            box["error"] = str(exc)
+
+    thread = threading.Thread(target=work, name=f"resolve-{host}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    elapsed = time.monotonic() - start
+    if thread.is_alive():
+        return Resolution(host, (), f"the resolver did not answer within {timeout_s:g} s", elapsed)
+    if "error" in box:
+        return Resolution(host, (), str(box["error"]), elapsed)
+    addrs = box.get("addrs", ())
+    assert isinstance(addrs, tuple)
+    return Resolution(host, addrs, None if addrs else "no address", elapsed)
+
+
+def probe_tcp(host: str, port: int, *, timeout_s: float = 3.0) -> ProbeResult:
+    """Try one TCP connection to ``host:port`` within ``timeout_s`` and classify the outcome."""
+    start = time.monotonic()
+    res = resolve(host, timeout_s=timeout_s)
+    if not res.ok:
+        return ProbeResult(host, port, ProbeStatus.DNS, res.error or "unknown name",
+                           time.monotonic() - start)
+    left = max(0.1, timeout_s - (time.monotonic() - start))
+    family = socket.AF_INET6 if ":" in res.addresses[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(left)
+    try:
+        sock.connect((res.addresses[0], port))
+        status, detail = ProbeStatus.OK, f"connected to {res.addresses[0]}:{port}"
+    except TimeoutError:
+        status = ProbeStatus.TIMEOUT
+        detail = (f"no answer from {res.addresses[0]}:{port} within {timeout_s:g} s: packets are "
+                  "dropped (a firewall) or the address does not exist on the network")
+    except ConnectionRefusedError:
+        status = ProbeStatus.REFUSED
+        detail = (f"{res.addresses[0]} answered but nothing listens on port {port} "
+                  "(rank 0 not started yet, or a wrong port)")
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            status = ProbeStatus.NO_ROUTE
+            detail = f"no route to {res.addresses[0]}: {exc.strerror}"
+        else:
+            status, detail = ProbeStatus.ERROR, f"{res.addresses[0]}:{port}: {exc.strerror or exc}"
+    finally:
+        sock.close()
+    return ProbeResult(host, port, status, detail, time.monotonic() - start)
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    """Whether a listener could bind ``port`` here now (the rendezvous store binds all addresses)."""
+    for family, addr in ((socket.AF_INET, host or "0.0.0.0"), (socket.AF_INET6, host or "::")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this host
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((addr, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            # EADDRNOTAVAIL and friends: that family is not usable here; it cannot conflict.
+        finally:
+            sock.close()
+    return True
+
+
+def pick_free_port(host: str = "") -> int:
+    """A port the kernel just handed out as free. Another process may still take it before
+    the rendezvous binds it; callers that care retry (the window is milliseconds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def host_addresses() -> tuple[str, ...]:
+    """Addresses assigned to this host's interfaces (for 'is MASTER_ADDR really me?')."""
+    import psutil
+
+    out = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                out.append(a.address.split("%")[0])
+    return tuple(dict.fromkeys(out))
+
+
+def interface_names() -> tuple[str, ...]:
+    import psutil
+
+    return tuple(psutil.net_if_addrs())
