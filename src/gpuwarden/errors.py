@@ -32,6 +32,8 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    # Not in failure-codes.md: DataLoader's "received 0 items of ancdata" / "Too many open files".
+    "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
 }
 
 EXIT_OK = 0
