@@ -22,6 +22,7 @@ process; those keep no flag that can be read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -153,8 +154,6 @@ def _reap(pid: int) -> None:
         if done:
             return
         time.sleep(0.005)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     os.waitpid(pid, 0)

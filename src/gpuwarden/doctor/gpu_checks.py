@@ -67,9 +67,13 @@ def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
     """torch.version.cuda against the newest CUDA the driver supports (CUDA_DRIVER_TOO_OLD)."""
     cid, code = "torch_cuda_build", "CUDA_DRIVER_TOO_OLD"
     evidence = [f"python: {torch.python}"]
-    if torch.version:
+    if torch.version and torch.imported:
         evidence.append(f"torch {torch.version}, built with CUDA {torch.cuda or '-'}, NCCL "
-                        f"{torch.nccl_version or '-'}, probed in {torch.elapsed_s:.1f} s")
+                        f"{torch.nccl_version or '-'}, imported in a subprocess in "
+                        f"{torch.elapsed_s:.1f} s")
+    elif torch.version:
+        evidence.append(f"torch {torch.version}, built with CUDA {torch.cuda or '-'} (read from "
+                        "torch/version.py; a CPU build is not imported)")
     if not torch.installed:
         return check(cid, code, WARN, "torch cannot be imported by this Python",
                      why=torch.error, fix="install torch into this environment (pip install torch)",

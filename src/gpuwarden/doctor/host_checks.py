@@ -14,10 +14,11 @@ OK, WARN, FAIL, SKIP = Status.OK, Status.WARN, Status.FAIL, Status.SKIP
 # /dev/shm thresholds. DataLoader workers hand every batch to the main process through
 # /dev/shm; num_workers * prefetch_factor batches are in flight (8 with 4 workers and the
 # default prefetch_factor 2). Eight batches of 64 images of 3x224x224 float32 (38.5 MiB each)
-# take 308 MiB, of 256 images 1.2 GiB. Docker's default 64 MiB fails the first of these; we
-# warn below 1 GiB and fail when less than 128 MiB is free (not even four such batches fit).
+# take 308 MiB, of 256 images 1.2 GiB. Docker's default 64 MiB fails the first of these: we
+# warn below 1 GiB, and fail when less than 32 MiB is free (not even one such batch fits; a
+# job with num_workers=0 needs none, which is why a small /dev/shm is only a warning).
 SHM_WARN_BYTES = 1 * GIB
-SHM_FAIL_FREE_BYTES = 128 * MIB
+SHM_FAIL_FREE_BYTES = 32 * MIB
 
 # DataLoader's default sharing strategy on Linux (file_descriptor) keeps one descriptor per
 # tensor storage in flight between a worker and the main process: a batch of 100 tensors with
