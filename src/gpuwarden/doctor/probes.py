@@ -110,10 +110,14 @@ def read_torch_build() -> TorchInfo:
     except (OSError, SyntaxError, ValueError) as exc:
         return TorchInfo(False, error=f"torch is present but {path} is unreadable: {exc}")
     for node in tree.body:
-        target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
-                  else node.target if isinstance(node, ast.AnnAssign) else None)
-        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):  # type: ignore[union-attr]
-            values[target.id] = node.value.value  # type: ignore[union-attr]
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+            values[target.id] = value.value
     cuda, hip = values.get("cuda"), values.get("hip")
     return TorchInfo(True, version=values.get("__version__"), cuda=cuda,
                      cuda_compiled=bool(cuda or hip), elapsed_s=time.monotonic() - start)
