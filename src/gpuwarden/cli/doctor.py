@@ -67,7 +67,7 @@ def render(report: Any, stream: TextIO) -> None:
             stream.write(f"{pad}- {line}\n")
     counts = report.counts()
     stream.write(f"\n{counts['fail']} failed, {counts['warn']} warnings, {counts['ok']} ok, "
-                 f"{counts['skip']} skipped in {report.elapsed_s:.1f} s\n")
+                 f"{counts['skip']} skipped in {report.elapsed_s:.2f} s\n")
 
 
 def run(args: argparse.Namespace) -> int:
