@@ -27,7 +27,9 @@ def _backend_factory(**kwargs: Any) -> Any:
 def register(parallel_module: ModuleType | None = None) -> None:
     """Register the backend with joblib (imports joblib if it is not imported yet)."""
     if parallel_module is None:
-        import joblib.parallel as parallel_module
+        import joblib.parallel
+
+        parallel_module = joblib.parallel
     parallel_module.register_parallel_backend(BACKEND_NAME, _backend_factory)
 
 
@@ -55,7 +57,7 @@ class _AfterImportFinder:
             _remove()
             register(module)
 
-        loader.exec_module = exec_module
+        loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 

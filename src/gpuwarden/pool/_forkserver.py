@@ -19,6 +19,7 @@ server -> parent: ``("ready", pid, notes)``, ``("forked", token, pid)``, and
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -92,11 +93,11 @@ def main(argv: list[str]) -> int:
     sock.send(pickle.dumps(("ready", os.getpid(), notes)))
     try:
         while True:
-            readable, _, _ = select.select([sock, wake[0]], [], [])
+            readable, _, _ = select.select([sock.fileno(), wake[0]], [], [])
             if wake[0] in readable:
                 os.read(wake[0], 4096)
                 _reap(sock, children)
-            if sock not in readable:
+            if sock.fileno() not in readable:
                 continue
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
             if not data:
@@ -112,10 +113,8 @@ def main(argv: list[str]) -> int:
             sock.send(pickle.dumps(("forked", message[1], pid)))
     finally:
         for pid in children:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 if __name__ == "__main__":

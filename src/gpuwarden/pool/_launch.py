@@ -8,6 +8,7 @@ as the pool.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -179,10 +180,8 @@ class ForkServerLauncher:
 
     def stop(self) -> None:
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.send(pickle.dumps(("stop",)))
-            except OSError:
-                pass
         if self._popen is not None:
             try:
                 self._popen.wait(timeout=EXIT_WAIT_S)

@@ -41,7 +41,7 @@ def _is_cuda_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor) and obj.device.type == "cuda"
 
 
-class _TaskPickler(cloudpickle.Pickler):  # type: ignore[misc]
+class _TaskPickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if _is_cuda_tensor(obj):
             raise CudaTensorArgumentError(
@@ -69,7 +69,7 @@ def _identity(obj: Any) -> Any:
     return obj
 
 
-class _ResultPickler(cloudpickle.Pickler):  # type: ignore[misc]
+class _ResultPickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if _is_cuda_tensor(obj):
             # Pickled as "the CPU copy": the copy itself goes through the normal path.

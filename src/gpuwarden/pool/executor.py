@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -253,10 +254,9 @@ class GPUPool(Executor):
     # -- manager thread ----------------------------------------------------------------------
 
     def _wake(self) -> None:
-        try:
+        # A full pipe means already awake; a closed one, the very end.
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # already awake, or closed at the very end
 
     def _manage(self) -> None:
         try:
@@ -284,10 +284,8 @@ class GPUPool(Executor):
         worker = _Worker(slot, conn, pid)
         name = worker.name
         boot = {**self._boot_common, "env": dict(slot.env), "name": name}
-        try:
+        with contextlib.suppress(OSError):  # died at once: the EOF on its socket reports it
             conn.send_bytes(_pickling.dumps_task(boot))
-        except OSError:
-            pass  # died at once: the EOF on its socket reports it
         with self._lock:
             self._workers[slot.index] = worker
 
@@ -318,10 +316,9 @@ class GPUPool(Executor):
                     continue
                 task.sent_at = time.monotonic()
                 worker.inflight.append(task)
-            try:
+            # A worker that died: its EOF comes next and fails or requeues the task.
+            with contextlib.suppress(OSError):
                 worker.conn.send_bytes(task.payload)
-            except OSError:
-                pass  # the worker died; its EOF comes next and fails or requeues the task
 
     def _poll(self) -> None:
         with self._lock:
@@ -442,9 +439,9 @@ class GPUPool(Executor):
             for w in self._workers.values():
                 w.inflight.clear()
         for task in failed:
-            if not task.future.done():
-                if task.future.running() or task.future.set_running_or_notify_cancel():
-                    task.future.set_exception(exc)
+            if not task.future.done() and (task.future.running()
+                                           or task.future.set_running_or_notify_cancel()):
+                task.future.set_exception(exc)
 
     def _close(self) -> None:
         """Stop every worker and the fork server; kill leftovers with their process trees."""
@@ -468,17 +465,13 @@ class GPUPool(Executor):
                 pass
         if not self._kill:
             for w in workers:
-                try:
+                with contextlib.suppress(OSError):
                     w.conn.send_bytes(b"stop")
-                except OSError:
-                    pass
             psutil.wait_procs([p for p in tree if p.pid in {w.pid for w in workers}],
                               timeout=STOP_GRACE_S)
         for proc in tree:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
         for w in workers:
             w.conn.close()
         self._launcher.stop()

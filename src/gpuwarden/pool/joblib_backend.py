@@ -63,7 +63,7 @@ def _get_pool(key: str, n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
             _reusable["timer"] = None
         pool = _reusable["pool"]
         if pool is not None and _reusable["key"] == key:
-            return pool  # type: ignore[no-any-return]
+            return pool
         _reusable["pool"] = None
     if pool is not None:
         pool.shutdown(wait=True)
@@ -109,7 +109,7 @@ def shutdown_reusable_pool() -> None:
         pool.shutdown(wait=True)
 
 
-class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[misc]
+class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
     """joblib backend over GPUPool. Backend arguments (``parallel_config(backend="gpuwarden",
     ...)``) are GPUPool's: ``gpus``, ``workers_per_gpu``, ``memory_fraction``, ``start_method``,
     ``preload``, ``initializer``, ``min_free`` ..., plus ``idle_worker_timeout`` (seconds)."""
