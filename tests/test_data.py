@@ -67,5 +67,5 @@ def test_prefetcher_on_cpu_passes_batches_through() -> None:
     batches = [(torch.ones(2), {"y": torch.zeros(1)}), [torch.ones(1)], Pair(torch.ones(1), 3)]
     out = list(DevicePrefetcher(batches, "cpu"))
     assert len(out) == 3
-    for got, want in zip(out, batches):
+    for got, want in zip(out, batches, strict=True):
         assert got is want

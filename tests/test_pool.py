@@ -13,12 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import wait_until_gone
 
 from gpuwarden.errors import ConstraintError, PoolBrokenError, WorkerDiedError
 from gpuwarden.pool import CPUFallbackWarning, GPUPool
 from gpuwarden.pool._pickling import RemoteTraceback
-
-from conftest import wait_until_gone
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -68,6 +68,12 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
 
 def _acquire(visible: tuple[GPUSnapshot, ...], constraints: Constraints, workers_per_gpu: int,
              *, wait: float | str | None, label: str) -> TakenGPUs:
-    """Selection only, until gpuwarden.lease lands: no reservation against other jobs."""
-    del workers_per_gpu, wait, label
-    return TakenGPUs(select(visible, constraints).require(), _nothing)
+    """Lease the GPUs (one slot per worker, every slot of each GPU) through gpuwarden.lease,
+    so that two pools or jobs on this host never pick the same GPU at the same moment."""
+    try:
+        from gpuwarden.lease import acquire  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # before the lease module is merged: selection only
+        return TakenGPUs(select(visible, constraints).require(), _nothing)
+    grant = acquire(constraints.count, slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
+                    wait=wait, constraints=constraints, label=label)
+    return TakenGPUs(tuple(grant.gpus), grant.release)
