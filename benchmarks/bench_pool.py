@@ -5,7 +5,7 @@ Measured in one run, same number of workers for everyone:
   - first-result latency: from creating the pool (cold) to the first result;
   - cold start with torch: pool creation to the first result of a task that uses torch.
 
-Without a GPU the pool runs on a simulated 2-GPU host (tests/scenarios/two_gpus.json), so
+Without a GPU the pool runs on a simulated 2-GPU host (tests/scenarios/two_gpu.json), so
 its workers are pinned exactly as on a real one. Usage: python benchmarks/bench_pool.py
 """
 
@@ -54,7 +54,7 @@ def main() -> int:
 
             pynvml.nvmlInit()
         except Exception:
-            os.environ["GPUWARDEN_SIMULATE"] = str(ROOT / "tests/scenarios/two_gpus.json")
+            os.environ["GPUWARDEN_SIMULATE"] = str(ROOT / "tests/scenarios/two_gpu.json")
     warnings.simplefilter("ignore")
     logging.getLogger("gpuwarden.pool").setLevel(logging.ERROR)  # the crash drill below
     import joblib

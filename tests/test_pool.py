@@ -13,11 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import wait_until_gone
 
 from gpuwarden.errors import ConstraintError, PoolBrokenError, WorkerDiedError
 from gpuwarden.pool import CPUFallbackWarning, GPUPool
 from gpuwarden.pool._pickling import RemoteTraceback
+from tests.conftest import wait_until_gone
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -55,7 +55,7 @@ def train(lr: float) -> float:
 
 @pytest.fixture
 def two_gpus(scenario, lease_dir):  # type: ignore[no-untyped-def]
-    scenario("two_gpus")
+    scenario("two_gpu")
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])

@@ -35,7 +35,7 @@ def fails_on_three(x: int) -> int:
 
 @pytest.fixture
 def two_gpus(scenario, lease_dir, no_leftover_processes):  # type: ignore[no-untyped-def]
-    scenario("two_gpus")
+    scenario("two_gpu")
     yield
     shutdown_reusable_pool()
 
