@@ -33,3 +33,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+# The "gpuwarden" joblib backend: registered when joblib.parallel is (or gets) imported,
+# without importing joblib here. See gpuwarden/_joblib_hook.py.
+from gpuwarden import _joblib_hook  # noqa: E402
+
+_joblib_hook.install()
