@@ -28,6 +28,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,12 @@ def fork_safety(*, timeout_s: float = 5.0) -> ForkSafety:
         return ForkSafety(False, "CUDA is initialized in this process", poisoned=("cuda",))
 
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() in a threaded process because a child may inherit a
+        # held lock. This child takes none: it reads flags, writes to a pipe and _exits.
+        warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
+                                category=DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # the child: read the flags, report, leave at once
         try:
             os.close(read_fd)
