@@ -1,0 +1,96 @@
+"""Every runnable part of the five stories, for the tests and for ``scripts/verify-gpu``.
+
+A :class:`StoryRun` is one command (a story's naive.py or fixed.py with arguments) and what it
+must do: the exit code, and for a failure the code ``gpuwarden explain`` must give its output.
+``run()`` executes one in its own process group, bounded in time, and kills the group after.
+
+Conventions of the story scripts:
+
+- exit 0: it worked (fixed), or the failure did not happen (naive);
+- exit 1: the failure was reproduced (naive), or the fix did not hold (fixed);
+- exit 77 (:data:`SKIP_EXIT`, automake's "skipped"): the part needs a GPU and this machine has
+  none; the script says so on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STORIES_DIR = Path(__file__).resolve().parent
+SKIP_EXIT = 77
+
+
+@dataclass(frozen=True)
+class StoryRun:
+    story: str  # folder name, e.g. "4-rendezvous-stall"
+    script: str  # "naive.py" or "fixed.py"
+    args: tuple[str, ...] = ()
+    expect_exit: int = 0
+    expect_code: str | None = None  # explain's primary code of the output (naive failures)
+    gpu_only: bool = False  # its point needs a real GPU; on CPU it exits SKIP_EXIT
+    timeout_s: float = 60.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return " ".join([f"{self.story}/{self.script}", *self.args])
+
+
+@dataclass
+class Outcome:
+    run: StoryRun
+    exit_code: int
+    output: str
+    seconds: float
+    timed_out: bool = False
+
+
+def run(story_run: StoryRun, extra_env: dict[str, str] | None = None) -> Outcome:
+    """Run one story part; stdout and stderr together, as a user would see them."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **story_run.env, **(extra_env or {})}
+    cwd = STORIES_DIR / story_run.story
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, story_run.script, *story_run.args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, _ = proc.communicate(timeout=story_run.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    finally:
+        # Whatever the script left in its group (it should have left nothing) goes too.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Outcome(story_run, proc.returncode, out, time.monotonic() - start, timed_out)
+
+
+def explain_code(text: str) -> str:
+    """``gpuwarden explain``'s primary failure code for ``text``."""
+    from gpuwarden.explain import explain_text
+
+    return str(explain_text(text).primary.code)
+
+
+# Short timeouts so that CI waits seconds, not PyTorch's 30 minutes.
+STORY4 = "4-rendezvous-stall"
+NAIVE4 = {
+    case: StoryRun(STORY4, "naive.py", (case, "--timeout-s", "3", "--give-up-s", "10"),
+                   expect_exit=1, expect_code=code, timeout_s=60)
+    for case, code in (("wrong-addr", "RDZV_DNS"), ("port-in-use", "RDZV_PORT_IN_USE"),
+                       ("missing-rank", "RDZV_WORKERS_MISSING"))
+}
+FIXED4 = {case: StoryRun(STORY4, "fixed.py", (case,), timeout_s=60)
+          for case in ("wrong-addr", "port-in-use", "missing-rank")}
+
+ALL: list[StoryRun] = [*NAIVE4.values(), *FIXED4.values()]

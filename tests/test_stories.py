@@ -1,0 +1,95 @@
+"""The stories of examples/stories, run as a user runs them: the naive script fails with the
+documented failure code (read by `gpuwarden explain` from its output), the fixed one works.
+
+Torch processes are slow to start on a small CI machine, so independent story runs of one test
+go in parallel threads (each is a subprocess that mostly waits on a socket or a timeout).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "stories"))
+import catalog  # noqa: E402
+
+HAVE_EXPLAIN = importlib.util.find_spec("gpuwarden.explain") is not None
+HAVE_LAUNCH = importlib.util.find_spec("gpuwarden.launch") is not None
+needs_explain = pytest.mark.skipif(not HAVE_EXPLAIN, reason="gpuwarden.explain is not on this branch yet")
+needs_launch = pytest.mark.skipif(not HAVE_LAUNCH, reason="gpuwarden.launch is not on this branch yet")
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def run_all(runs: list[catalog.StoryRun]) -> dict[str, catalog.Outcome]:
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        return {o.run.name: o for o in pool.map(catalog.run, runs)}
+
+
+def show(outcome: catalog.Outcome) -> str:
+    return f"{outcome.run.name}: exit {outcome.exit_code} after {outcome.seconds:.1f} s\n{outcome.output}"
+
+
+@pytest.fixture(scope="module")
+def naive4() -> dict[str, catalog.Outcome]:
+    return run_all(list(catalog.NAIVE4.values()))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case, raw_text", [
+    ("wrong-addr", "The client socket has timed out after 3000ms while trying to connect to "
+                   "(node-0.cluster.invalid"),
+    ("port-in-use", "EADDRINUSE"),
+    ("missing-rank", "1/2 clients joined"),
+])
+def test_story4_naive_fails_without_naming_the_cause(naive4: dict[str, catalog.Outcome],
+                                                     case: str, raw_text: str) -> None:
+    outcome = naive4[catalog.NAIVE4[case].name]
+    assert outcome.exit_code == 1 and not outcome.timed_out, show(outcome)
+    assert raw_text in outcome.output, show(outcome)
+    if case == "port-in-use":
+        # rank 0 fails at once, rank 1 waits past its own 3 s timeout until it is killed
+        assert "rank 1: still waiting after 10 s (its timeout was 3 s), killed" in outcome.output
+    if case == "missing-rank":
+        # PyTorch counts the ranks that arrived; nothing in its output says which one is missing
+        assert "rank 1" not in outcome.output.split("---")[0].replace("[rank0]", "")
+
+
+@needs_explain
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(catalog.NAIVE4))
+def test_story4_naive_output_is_explained(naive4: dict[str, catalog.Outcome], case: str) -> None:
+    outcome = naive4[catalog.NAIVE4[case].name]
+    assert catalog.explain_code(outcome.output) == catalog.NAIVE4[case].expect_code, show(outcome)
+
+
+@pytest.mark.timeout(60)
+def test_story4_doctor_names_dns_and_port_before_anything_starts() -> None:
+    runs = [catalog.StoryRun(catalog.STORY4, "fixed.py", (case, "--no-launch"), timeout_s=30)
+            for case in ("wrong-addr", "port-in-use")]
+    outcomes = run_all(runs)
+    dns, port = (outcomes[r.name] for r in runs)
+    assert dns.exit_code == 0, show(dns)
+    assert "(RDZV_DNS)" in dns.output and "-> exit 1 after 0." in dns.output, show(dns)
+    assert port.exit_code == 0, show(port)
+    assert "port" in port.output and "is already in use on this host  (RDZV_PORT_IN_USE)" in port.output
+
+
+@needs_launch
+@pytest.mark.timeout(90)
+def test_story4_fixed_names_each_cause_in_seconds_then_runs() -> None:
+    outcomes = run_all(list(catalog.FIXED4.values()))
+    for case, story_run in catalog.FIXED4.items():
+        outcome = outcomes[story_run.name]
+        assert outcome.exit_code == 0, show(outcome)
+        assert outcome.output.count("all_reduce sum = 3") == 2, show(outcome)
+        if case == "port-in-use":
+            assert "error[RDZV_PORT_IN_USE]: MASTER_PORT" in outcome.output
+            assert "port_holder.py" in outcome.output  # the holder is named
+        if case == "missing-rank":
+            assert "rank(s) 1 of 2 did not get there" in outcome.output, show(outcome)
+            assert "stack of rank 1" in outcome.output and "train.py" in outcome.output
