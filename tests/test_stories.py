@@ -95,3 +95,41 @@ def test_story4_fixed_names_each_cause_in_seconds_then_runs() -> None:
         if case == "missing-rank":
             assert "rank(s) 1 of 2 did not get there" in outcome.output, show(outcome)
             assert "stack of rank 1" in outcome.output and "train.py" in outcome.output
+
+
+HAVE_LEASE = importlib.util.find_spec("gpuwarden.lease") is not None
+
+
+@pytest.mark.timeout(60)
+def test_story3_fixed_on_the_simulated_busy_host() -> None:
+    outcome = catalog.run(catalog.FIXED3_SIMULATED)
+    assert outcome.exit_code == 0, show(outcome)
+    out = outcome.output
+    # every GPU refused with its reason, then the shared one accepted
+    assert "GPU 1: refused: exclusive_process mode, held by pid 5151 (carol" in out, show(outcome)
+    assert "error[SELECT_UNSATISFIED]: 1 GPU(s) requested, 0 of 4 usable" in out
+    assert "GPU 2: ok: 61.2 GiB free, 31% utilization, shared with 1 process(es)" in out
+    if HAVE_EXPLAIN:  # the OOM's pids joined with the inventory: users and commands by name
+        assert "pid 4242 holds 70.05 GiB on GPU 0: user bob, python train_llm.py" in out
+        assert "pid 6161 holds 7.50 GiB on GPU 0: user dave" in out
+    if HAVE_LEASE:
+        assert "leased GPU 2 after" in out and "in line" in out and "waited in line" in out
+
+
+@pytest.mark.timeout(30)
+def test_story3_naive_says_it_needs_a_gpu_and_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    if catalog.has_gpu():
+        pytest.skip("a GPU is present: the naive OOM runs for real (the gpu test)")
+    outcome = catalog.run(catalog.NAIVE3)
+    assert outcome.exit_code == catalog.SKIP_EXIT, show(outcome)
+    assert "needs a real GPU" in outcome.output
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_story3_on_a_gpu_the_naive_job_ooms_and_the_fixed_one_waits_its_turn() -> None:
+    naive = catalog.run(catalog.NAIVE3)
+    assert naive.exit_code == 1, show(naive)
+    assert catalog.explain_code(naive.output) == "CUDA_OOM", show(naive)
+    fixed = catalog.run(catalog.FIXED3_REAL)
+    assert fixed.exit_code == 0, show(fixed)

@@ -75,6 +75,20 @@ def run(story_run: StoryRun, extra_env: dict[str, str] | None = None) -> Outcome
     return Outcome(story_run, proc.returncode, out, time.monotonic() - start, timed_out)
 
 
+def has_gpu() -> bool:
+    """Whether NVML reports a GPU here (the stories' own test for their GPU-only parts)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()) > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
 def explain_code(text: str) -> str:
     """``gpuwarden explain``'s primary failure code for ``text``."""
     from gpuwarden.explain import explain_text
@@ -93,4 +107,10 @@ NAIVE4 = {
 FIXED4 = {case: StoryRun(STORY4, "fixed.py", (case,), timeout_s=60)
           for case in ("wrong-addr", "port-in-use", "missing-rank")}
 
-ALL: list[StoryRun] = [*NAIVE4.values(), *FIXED4.values()]
+STORY3 = "3-busy-cluster"
+NAIVE3 = StoryRun(STORY3, "naive.py", expect_exit=1, expect_code="CUDA_OOM", gpu_only=True,
+                  timeout_s=120)
+FIXED3_SIMULATED = StoryRun(STORY3, "fixed.py", ("--simulated",), timeout_s=60)
+FIXED3_REAL = StoryRun(STORY3, "fixed.py", gpu_only=True, timeout_s=240)
+
+ALL: list[StoryRun] = [*NAIVE4.values(), *FIXED4.values(), NAIVE3, FIXED3_SIMULATED, FIXED3_REAL]
