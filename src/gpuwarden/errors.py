@@ -11,7 +11,9 @@ Tree (exit code in brackets)::
     GpuwardenError [1]
     ├── UsageError [2]            bad argument, variable, or input file
     │   ├── ScenarioError         simulated-host file unreadable or invalid
-    │   └── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   ├── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   ├── InputUnreadableError  a log for `explain` is missing, a directory, or binary
+    │   └── KnowledgeBaseError    explain's knowledge.toml (or one given) is malformed
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
     └── ConstraintError [4]       a request could not be met (selection, lease wait)
@@ -32,6 +34,8 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
+    "KB_INVALID": "the explain knowledge base (knowledge.toml) is malformed",
 }
 
 EXIT_OK = 0
@@ -144,3 +148,24 @@ class ConstraintError(GpuwardenError):
 
     code = "SELECT_UNSATISFIED"
     exit_code = EXIT_CONSTRAINT
+
+
+class InputUnreadableError(UsageError):
+    """A log handed to ``gpuwarden explain`` cannot be read as text.
+
+    Usual causes: a wrong path, a directory, no read permission, or binary data
+    (a core dump, a checkpoint) instead of a log.
+    """
+
+    code = "INPUT_UNREADABLE"
+
+
+class KnowledgeBaseError(UsageError):
+    """The explain knowledge base is missing, not TOML, or has a malformed entry.
+
+    Usual causes: a regex that does not compile (TOML basic strings eat backslashes:
+    write patterns in single quotes), a keyword with upper-case letters, a misspelt
+    field, ``requires`` naming a context that is not defined.
+    """
+
+    code = "KB_INVALID"
