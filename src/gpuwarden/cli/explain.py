@@ -57,7 +57,7 @@ def _json_payload(diag: Diagnosis) -> dict[str, Any]:
 
 
 def _where(f: Finding) -> str:
-    rank = f" (rank {f.first_rank})" if f.first_rank is not None else ""
+    rank = f", rank {f.first_rank}" if f.first_rank is not None else ""
     return f"line {f.first_line}{rank}"
 
 

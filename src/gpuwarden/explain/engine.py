@@ -295,6 +295,10 @@ class Explainer:
                 for dm in detail.pattern.finditer(text):
                     said = detail.say.format(**{k: (v or "").strip()
                                                 for k, v in dm.groupdict().items()})
+                    if not rank_known:
+                        rank, rank_known = rank_of(text), True
+                    if rank is not None:  # several ranks say different things: name them
+                        said = f"rank {rank}: {said}"
                     state.details[said] = None
 
     # -- result ------------------------------------------------------------------
