@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
+from gpuwarden.explain.prefilter import PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
 
 BLOCK_BYTES = 4 << 20            # read size; a block is cut back to its last newline
 MAX_LINE_BYTES = 1 << 20         # a "line" longer than this is scanned in pieces
@@ -38,6 +39,7 @@ EVIDENCE_SHOWN = 6               # lines reported per code
 DETAILS_KEPT = 8
 RANKS_KEPT = 64
 EVIDENCE_CHARS = 400             # an evidence line is cut around its match beyond this
+REPLAN_BLOCKS = 16               # re-choose the prefilter's anchors this often (logs change)
 
 NONE_CODE = "NONE"
 
@@ -203,6 +205,8 @@ class Explainer:
         self._needles = [(kw, tuple(sorted(codes)), frozenset(ctx))
                          for kw, (codes, ctx) in table.items()]
         self._contexts_seen: set[str] = set()
+        self._plan: list[tuple[bytes, tuple[int, ...]]] | None = None
+        self._blocks_since_plan = 0
         self._lines = 0          # newlines seen so far
         self._bytes = 0
         self._partial = False    # the input so far ends inside a line
@@ -239,24 +243,45 @@ class Explainer:
             self.feed_bytes("".join(batch).encode("utf-8", "replace"))
 
     # -- scanning ----------------------------------------------------------------
+    def _needed(self, k: int) -> bool:
+        _, code_ids, ctx = self._needles[k]
+        return bool(code_ids) or not ctx <= self._contexts_seen
+
     def _scan(self, block: bytes) -> None:
         self._bytes += len(block)
         low = block.lower()
+        needed = [k for k in range(len(self._needles)) if self._needed(k)]
+        if len(block) < PLAN_MIN_BYTES:
+            # a small piece (a short log, the launcher's live feed): choosing anchors
+            # would cost more than looking for each keyword
+            plan: list[tuple[bytes, tuple[int, ...]]] = [(self._needles[k][0], (k,)) for k in needed]
+        else:
+            if self._plan is None or self._blocks_since_plan >= REPLAN_BLOCKS:
+                anchors = plan_anchors([self._needles[k][0] for k in needed], low[:SAMPLE_BYTES])
+                self._plan = [(anchor, tuple(needed[m] for m in members))
+                              for anchor, members in anchors]
+                self._blocks_since_plan = 0
+            self._blocks_since_plan += 1
+            plan = self._plan
         wanted: dict[int, set[int]] = {}   # line start offset -> code indices
-        for needle, code_ids, ctx in self._needles:
-            if not code_ids and ctx <= self._contexts_seen:
-                continue
-            i = low.find(needle)
-            if i < 0:
-                continue
-            self._contexts_seen |= ctx
-            while i >= 0 and code_ids:
+        contexts_before = len(self._contexts_seen)
+        for anchor, members in plan:
+            i = low.find(anchor)
+            while i >= 0:
                 start = low.rfind(b"\n", 0, i) + 1
-                wanted.setdefault(start, set()).update(code_ids)
                 end = low.find(b"\n", i)
+                line = low[start:] if end < 0 else low[start:end]
+                for k in members:
+                    needle, code_ids, ctx = self._needles[k]
+                    if needle in line:
+                        if code_ids:
+                            wanted.setdefault(start, set()).update(code_ids)
+                        self._contexts_seen |= ctx
                 if end < 0:
                     break
-                i = low.find(needle, end)
+                i = low.find(anchor, end)
+        if len(self._contexts_seen) != contexts_before:
+            self._plan = None  # a context is proven: its keywords need no more looking for
         line_no = self._lines + 1
         pos = 0
         for start in sorted(wanted):
@@ -325,7 +350,10 @@ class Explainer:
         identifying = [si for si in valid if not entry.signatures[si].supporting]
         if not identifying:
             return None
-        hits = sorted((h for si in valid for h in state.hits[si]), key=lambda h: h.line)
+        # the lines that identify the code first, then those that only support it
+        supporting = [si for si in valid if entry.signatures[si].supporting]
+        hits = (sorted((h for si in identifying for h in state.hits[si]), key=lambda h: h.line)
+                + sorted((h for si in supporting for h in state.hits[si]), key=lambda h: h.line))
         evidence: list[EvidenceLine] = []
         seen_lines: set[int] = set()
         for h in hits:
