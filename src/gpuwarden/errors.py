@@ -12,11 +12,15 @@ Tree (exit code in brackets)::
     ├── UsageError [2]            bad argument, variable, or input file
     │   ├── ScenarioError         simulated-host file unreadable or invalid
     │   ├── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   ├── CudaTensorArgumentError  a CUDA tensor passed to a pool task
     │   ├── InputUnreadableError  a log for `explain` is missing, a directory, or binary
     │   └── KnowledgeBaseError    explain's knowledge.toml (or one given) is malformed
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
-    └── ConstraintError [4]       a request could not be met (selection, lease wait)
+    ├── ConstraintError [4]       a request could not be met (selection, lease wait)
+    └── PoolError [1]             a GPU worker pool failed
+        ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
+        └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
 
 Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
 with ``raise ... from``, so the original is kept as ``__cause__``.
@@ -34,6 +38,9 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    "POOL_WORKER_DIED": "a pool worker process died while running a task",
+    "POOL_BROKEN": "a pool cannot run tasks: its workers cannot start, or it was shut down",
+    "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
     "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
     "KB_INVALID": "the explain knowledge base (knowledge.toml) is malformed",
 }
@@ -148,6 +155,49 @@ class ConstraintError(GpuwardenError):
 
     code = "SELECT_UNSATISFIED"
     exit_code = EXIT_CONSTRAINT
+
+
+class CudaTensorArgumentError(UsageError):
+    """A pool task's arguments hold a CUDA tensor.
+
+    Refused because each worker sees only its own GPU as ``cuda:0``: unpickled there, the
+    tensor would be re-created on a different GPU than the one it lives on. Pass CPU tensors
+    and move them inside the task.
+    """
+
+    code = "POOL_CUDA_ARGUMENT"
+
+
+class PoolError(GpuwardenError):
+    """A failure of gpuwarden's GPU worker pool."""
+
+    code = "POOL_BROKEN"
+
+
+class WorkerDiedError(PoolError):
+    """A pool worker died while it ran a task; the pool replaced it and goes on.
+
+    Usual causes: the host's OOM killer (SIGKILL, see ``dmesg``), a segfault in a native
+    library or a CUDA error that aborted the process, ``os._exit``/``sys.exit`` in the task,
+    or someone killing the process.
+    """
+
+    code = "POOL_WORKER_DIED"
+
+    def __init__(self, what: str, *, worker: str = "", gpu: str = "", exit_status: str = "",
+                 task: str = "", **kwargs: Any) -> None:
+        super().__init__(what, **kwargs)
+        self.worker = worker
+        self.gpu = gpu
+        self.exit_status = exit_status
+        self.task = task
+
+
+class PoolBrokenError(PoolError):
+    """The pool cannot run tasks: its workers fail to start (initializer error, preload crash,
+    repeated deaths at start-up) or it has been shut down."""
+
+    code = "POOL_BROKEN"
 
 
 class InputUnreadableError(UsageError):

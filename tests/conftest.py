@@ -1,0 +1,95 @@
+"""Shared test fixtures: the `gpu` marker, simulated hosts, and the no-leftover-process check."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+EXAMPLE_SCENARIO = Path(__file__).resolve().parents[2] / "shared" / "scenarios" / "example.json"
+
+
+def _real_gpu_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()) > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("gpu" in item.keywords for item in items) and not _real_gpu_present():
+        skip = pytest.mark.skip(reason="needs a real NVIDIA GPU (NVML reports none here)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def scenario(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Use a scenario file from tests/scenarios (by stem) or a path as the simulated host."""
+
+    def use(name_or_path: str | Path) -> Path:
+        path = Path(name_or_path)
+        if not path.is_absolute() and not path.exists():
+            path = SCENARIOS / f"{name_or_path}.json"
+        monkeypatch.setenv("GPUWARDEN_SIMULATE", str(path))
+        return path
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for var in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+        monkeypatch.delenv(var, raising=False)
+    return use
+
+
+@pytest.fixture
+def lease_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private lease directory, so tests never see each other's (or the host's) leases."""
+    path = tmp_path / "leases"
+    path.mkdir()
+    monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(path))
+    return path
+
+
+def wait_until_gone(pids: list[int], timeout_s: float = 5.0) -> list[int]:
+    """Pids among ``pids`` still alive (zombies count as gone) after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def no_leftover_processes() -> Iterator[None]:
+    """Fail the test if it leaves any descendant of the test process running."""
+    me = psutil.Process(os.getpid())
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [p.pid for p in me.children(recursive=True) if p.pid not in before]
+    left = wait_until_gone(new)
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes left behind: {left}"
