@@ -33,14 +33,9 @@ class SharedMemoryWarning(UserWarning):
 
 def _fork_safe() -> bool:
     """Whether a process forked now could use CUDA. The one seam to gpuwarden.fork_safe."""
-    try:
-        from gpuwarden import fork_safe  # type: ignore[attr-defined]
-    except ImportError:
-        # Until gpuwarden.doctor's fork_safe() is available: an initialized CUDA is the
-        # case this can see (a bare torch.cuda.is_available() also poisons fork; it can't).
-        torch = sys.modules.get("torch")
-        return torch is None or not torch.cuda.is_initialized()
-    return bool(fork_safe())
+    from gpuwarden.forksafe import fork_safe
+
+    return fork_safe()
 
 
 def _shm_free_bytes() -> int | None:

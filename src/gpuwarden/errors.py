@@ -41,6 +41,8 @@ GPUWARDEN_CODES = {
     "POOL_WORKER_DIED": "a pool worker process died while running a task",
     "POOL_BROKEN": "a pool cannot run tasks: its workers cannot start, or it was shut down",
     "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
+    # Not in failure-codes.md: DataLoader's "received 0 items of ancdata" / "Too many open files".
+    "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
     "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
     "KB_INVALID": "the explain knowledge base (knowledge.toml) is malformed",
 }
