@@ -12,7 +12,9 @@ Tree (exit code in brackets)::
     ├── UsageError [2]            bad argument, variable, or input file
     │   ├── ScenarioError         simulated-host file unreadable or invalid
     │   ├── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
-    │   └── CudaTensorArgumentError  a CUDA tensor passed to a pool task
+    │   ├── CudaTensorArgumentError  a CUDA tensor passed to a pool task
+    │   ├── InputUnreadableError  a log for `explain` is missing, a directory, or binary
+    │   └── KnowledgeBaseError    explain's knowledge.toml (or one given) is malformed
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
     ├── ConstraintError [4]       a request could not be met (selection, lease wait)
@@ -41,6 +43,8 @@ GPUWARDEN_CODES = {
     "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
     # Not in failure-codes.md: DataLoader's "received 0 items of ancdata" / "Too many open files".
     "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
+    "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
+    "KB_INVALID": "the explain knowledge base (knowledge.toml) is malformed",
 }
 
 EXIT_OK = 0
@@ -196,3 +200,24 @@ class PoolBrokenError(PoolError):
     repeated deaths at start-up) or it has been shut down."""
 
     code = "POOL_BROKEN"
+
+
+class InputUnreadableError(UsageError):
+    """A log handed to ``gpuwarden explain`` cannot be read as text.
+
+    Usual causes: a wrong path, a directory, no read permission, or binary data
+    (a core dump, a checkpoint) instead of a log.
+    """
+
+    code = "INPUT_UNREADABLE"
+
+
+class KnowledgeBaseError(UsageError):
+    """The explain knowledge base is missing, not TOML, or has a malformed entry.
+
+    Usual causes: a regex that does not compile (TOML basic strings eat backslashes:
+    write patterns in single quotes), a keyword with upper-case letters, a misspelt
+    field, ``requires`` naming a context that is not defined.
+    """
+
+    code = "KB_INVALID"
