@@ -21,6 +21,7 @@ import catalog  # noqa: E402
 
 HAVE_EXPLAIN = importlib.util.find_spec("gpuwarden.explain") is not None
 HAVE_LAUNCH = importlib.util.find_spec("gpuwarden.launch") is not None
+HAVE_LEASE = importlib.util.find_spec("gpuwarden.lease") is not None
 needs_explain = pytest.mark.skipif(not HAVE_EXPLAIN, reason="gpuwarden.explain is not on this branch yet")
 needs_launch = pytest.mark.skipif(not HAVE_LAUNCH, reason="gpuwarden.launch is not on this branch yet")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -97,8 +98,6 @@ def test_story4_fixed_names_each_cause_in_seconds_then_runs() -> None:
             assert "stack of rank 1" in outcome.output and "train.py" in outcome.output
 
 
-HAVE_LEASE = importlib.util.find_spec("gpuwarden.lease") is not None
-
 
 @pytest.mark.timeout(60)
 def test_story3_fixed_on_the_simulated_busy_host() -> None:
@@ -133,3 +132,46 @@ def test_story3_on_a_gpu_the_naive_job_ooms_and_the_fixed_one_waits_its_turn() -
     assert catalog.explain_code(naive.output) == "CUDA_OOM", show(naive)
     fixed = catalog.run(catalog.FIXED3_REAL)
     assert fixed.exit_code == 0, show(fixed)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_only_naive_stories_say_so_and_skip_without_a_gpu() -> None:
+    if catalog.has_gpu():
+        pytest.skip("a GPU is present: the naive failures run for real (the gpu tests)")
+    for outcome in run_all(catalog.NAIVE_GPU_ONLY).values():
+        assert outcome.exit_code == catalog.SKIP_EXIT, show(outcome)
+        assert "skipped" in outcome.output and "GPU" in outcome.output, show(outcome)
+
+
+@pytest.mark.timeout(120)
+def test_stories_1_2_5_fixed_run_on_this_machine() -> None:
+    runs = [catalog.FIXED2, catalog.FIXED5]
+    if HAVE_LAUNCH:
+        runs.append(catalog.FIXED1)
+    outcomes = run_all(runs)
+    story2 = outcomes[catalog.FIXED2.name]
+    assert story2.exit_code == 0 and "checksums match" in story2.output, show(story2)
+    story5 = outcomes[catalog.FIXED5.name]
+    assert story5.exit_code == 0 and "ok: 4 trials ran" in story5.output, show(story5)
+    if HAVE_LAUNCH:
+        story1 = outcomes[catalog.FIXED1.name]
+        assert story1.exit_code == 0, show(story1)
+        assert story1.output.count("all_reduce = 3") >= 1, show(story1)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("story_run", [*catalog.NAIVE1.values(), catalog.NAIVE2, *catalog.NAIVE5.values()],
+                         ids=lambda r: r.name)
+def test_gpu_naive_story_fails_with_its_code(story_run: catalog.StoryRun) -> None:
+    outcome = catalog.run(story_run)
+    assert outcome.exit_code == story_run.expect_exit, show(outcome)
+    assert catalog.explain_code(outcome.output) == story_run.expect_code, show(outcome)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("story_run", [catalog.FIXED1, catalog.FIXED2, catalog.FIXED5], ids=lambda r: r.name)
+def test_gpu_fixed_story_works_on_the_gpu(story_run: catalog.StoryRun) -> None:
+    outcome = catalog.run(story_run)
+    assert outcome.exit_code == 0, show(outcome)

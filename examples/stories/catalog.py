@@ -113,4 +113,27 @@ NAIVE3 = StoryRun(STORY3, "naive.py", expect_exit=1, expect_code="CUDA_OOM", gpu
 FIXED3_SIMULATED = StoryRun(STORY3, "fixed.py", ("--simulated",), timeout_s=60)
 FIXED3_REAL = StoryRun(STORY3, "fixed.py", gpu_only=True, timeout_s=240)
 
-ALL: list[StoryRun] = [*NAIVE4.values(), *FIXED4.values(), NAIVE3, FIXED3_SIMULATED, FIXED3_REAL]
+STORY1 = "1-spawn-set-device"
+NAIVE1 = {case: StoryRun(STORY1, "naive.py", (case,), expect_exit=1, expect_code=code, gpu_only=True,
+                         timeout_s=180)
+          for case, code in (("fork-after-cuda", "CUDA_FORK_REINIT"),
+                             ("no-set-device", "NCCL_DUPLICATE_GPU"))}
+FIXED1 = StoryRun(STORY1, "fixed.py", timeout_s=180)
+
+STORY2 = "2-dataloader-fork"
+NAIVE2 = StoryRun(STORY2, "naive.py", expect_exit=1, expect_code="CUDA_FORK_REINIT", gpu_only=True,
+                  timeout_s=120)
+FIXED2 = StoryRun(STORY2, "fixed.py", timeout_s=120)
+
+STORY5 = "5-joblib-cuda"
+NAIVE5 = {case: StoryRun(STORY5, "naive.py", (case,), expect_exit=1, expect_code=code, gpu_only=True,
+                         timeout_s=180)
+          for case, code in (("fork", "CUDA_FORK_REINIT"), ("oom", "CUDA_OOM"))}
+FIXED5 = StoryRun(STORY5, "fixed.py", timeout_s=180)
+
+NAIVE_GPU_ONLY = [*NAIVE1.values(), NAIVE2, NAIVE3, *NAIVE5.values()]
+FIXED_CPU = [FIXED1, FIXED2, FIXED3_SIMULATED, *FIXED4.values(), FIXED5]
+
+# In story order: what scripts/verify-gpu runs on a GPU host.
+ALL: list[StoryRun] = [*NAIVE1.values(), FIXED1, NAIVE2, FIXED2, NAIVE3, FIXED3_SIMULATED,
+                       FIXED3_REAL, *NAIVE4.values(), *FIXED4.values(), *NAIVE5.values(), FIXED5]

@@ -15,9 +15,9 @@ Exit code: 0 when every trial ran.
 import sys
 
 from joblib import Parallel, delayed, parallel_config
+from tasks import train_trial
 
 import gpuwarden  # noqa: F401 - registers the "gpuwarden" joblib backend
-from tasks import train_trial
 
 
 def main() -> int:

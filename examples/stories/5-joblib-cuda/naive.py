@@ -15,7 +15,6 @@ import sys
 import traceback
 
 from joblib import Parallel, delayed
-
 from tasks import train_trial
 
 SKIP_EXIT = 77
