@@ -8,6 +8,7 @@ Measured in one run, same number of workers for everyone:
 Without a GPU the pool runs on a simulated 2-GPU host (tests/scenarios/two_gpu.json), so
 its workers are pinned exactly as on a real one. Usage: python benchmarks/bench_pool.py
 """
+# verify-gpu: --n-jobs 2 --tasks 500 --repeat 1
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ runs as a fresh process, alternately, RUNS times; the medians and their ratio ar
 
     python benchmarks/doctor_vs_collect_env.py [RUNS]
 """
+# verify-gpu: 3
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ FIXED3_REAL = StoryRun(STORY3, "fixed.py", gpu_only=True, timeout_s=240)
 
 STORY1 = "1-spawn-set-device"
 NAIVE1 = {case: StoryRun(STORY1, "naive.py", (case,), expect_exit=1, expect_code=code, gpu_only=True,
-                         timeout_s=180)
+                         timeout_s=90)
           for case, code in (("fork-after-cuda", "CUDA_FORK_REINIT"),
                              ("no-set-device", "NCCL_DUPLICATE_GPU"))}
 FIXED1 = StoryRun(STORY1, "fixed.py", timeout_s=180)
@@ -127,7 +127,7 @@ FIXED2 = StoryRun(STORY2, "fixed.py", timeout_s=120)
 
 STORY5 = "5-joblib-cuda"
 NAIVE5 = {case: StoryRun(STORY5, "naive.py", (case,), expect_exit=1, expect_code=code, gpu_only=True,
-                         timeout_s=180)
+                         timeout_s=90)
           for case, code in (("fork", "CUDA_FORK_REINIT"), ("oom", "CUDA_OOM"))}
 FIXED5 = StoryRun(STORY5, "fixed.py", timeout_s=180)
 

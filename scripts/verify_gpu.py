@@ -1,0 +1,509 @@
+"""One real-GPU verification run: gpu tests, every story, the GPU benchmarks, one report.
+
+    scripts/verify-gpu [OUTDIR]        # OUTDIR defaults to $OUT
+
+Writes OUTDIR/report.md and OUTDIR/report.json (schema_version 1), plus each command's output
+under OUTDIR/logs/. Read-only towards the card: versions come from a torch subprocess, NVML and
+`nvidia-smi --query-gpu` (a query); nothing here changes a setting (no -c, -pm, -mig, --reset).
+
+Every process it starts runs in its own session (process group) and carries the variable
+GPUWARDEN_VERIFY_RUN=<id>; whatever ends, is interrupted or times out, its group is killed, and
+at the end any process still carrying the id (one that left its group) is killed and reported.
+
+Time: the whole run is bounded by --budget-s (default 540 s, under 10 minutes on one H100);
+each stage gets a share and each command is killed at its stage's deadline.
+
+Exit code: 0 all as expected, 1 something failed or timed out, 2 usage, 3 no GPU (NVML reports
+none; --allow-no-gpu runs anyway, for testing this script on a CPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "stories"))
+import catalog  # noqa: E402
+
+SCHEMA_VERSION = 1
+RUN_ENV = "GPUWARDEN_VERIFY_RUN"
+# Benchmarks opt in with a line "# verify-gpu: ARGS" (the arguments for a short GPU run).
+BENCH_MARKER = re.compile(r"^# verify-gpu:(.*)$", re.MULTILINE)
+# Stage shares of the budget; what a stage leaves unused goes to the next ones.
+STAGE_SHARES = {"versions": 0.05, "tests": 0.35, "stories": 0.45, "benchmarks": 0.15}
+
+_TORCH_PROBE = r"""
+import json, torch
+out = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda,
+       "cudnn": None, "nccl": None, "devices": []}
+try:
+    out["cudnn"] = torch.backends.cudnn.version()
+except Exception:
+    pass
+try:
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception:
+    pass
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out["devices"].append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+                               "memory_total_bytes": p.total_memory})
+print(json.dumps(out))
+"""
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT/SIGHUP reached verify-gpu: stop, clean up, write what we have."""
+
+
+@dataclass
+class Groups:
+    """Process groups started by this run; every one is SIGKILLed before we leave."""
+
+    run_id: str
+    alive: set[int] = field(default_factory=set)
+
+    def kill_all(self) -> None:
+        for pgid in sorted(self.alive):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.alive.clear()
+
+    def strays(self) -> list[dict[str, Any]]:
+        """Processes still carrying this run's id (they left their group): killed, listed."""
+        try:
+            import psutil
+        except ImportError:
+            return []
+        found = []
+        me = os.getpid()
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if proc.pid == me:
+                continue
+            try:
+                if proc.environ().get(RUN_ENV) != self.run_id:
+                    continue
+                cmd = " ".join(proc.info["cmdline"] or [])[:160]
+                proc.kill()
+                found.append({"pid": proc.pid, "command": cmd})
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+
+@dataclass
+class Result:
+    name: str
+    argv: list[str]
+    exit_code: int | None
+    seconds: float
+    timed_out: bool
+    log: str  # path relative to the output directory
+    output: str = ""
+
+
+def run_command(name: str, argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float,
+                groups: Groups, logs: Path) -> Result:
+    """Run one command in its own session, bounded, output to logs/<name>.log; kill its group."""
+    log_path = logs / f"{_slug(name)}.log"
+    start = time.monotonic()
+    timed_out = False
+    if timeout_s <= 0:
+        log_path.write_text("not run: no time left in the budget\n")
+        return Result(name, argv, None, 0.0, True, str(log_path.relative_to(logs.parent)))
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", start_new_session=True)
+    groups.alive.add(proc.pid)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
+        except ProcessLookupError:
+            pass
+        groups.alive.discard(proc.pid)
+    seconds = time.monotonic() - start
+    log_path.write_text(f"$ {' '.join(argv)}\n(cwd {cwd}, exit {proc.returncode}, {seconds:.1f} s"
+                        f"{', killed at the deadline' if timed_out else ''})\n\n{out}")
+    return Result(name, argv, proc.returncode, seconds, timed_out,
+                  str(log_path.relative_to(logs.parent)), out)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:120]
+
+
+# ---- what is read about the machine -----------------------------------------------------------
+
+
+def nvml_facts() -> dict[str, Any]:
+    """Driver, CUDA driver version and GPUs from NVML (queries only)."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"error": "nvidia-ml-py is not installed"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return {"error": f"NVML: {exc}"}
+    try:
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        facts: dict[str, Any] = {
+            "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "gpus": [],
+        }
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            facts["gpus"].append({
+                "index": i, "name": _text(pynvml.nvmlDeviceGetName(h)),
+                "memory_total_bytes": int(mem.total), "memory_used_bytes": int(mem.used),
+                "compute_mode": int(pynvml.nvmlDeviceGetComputeMode(h)),
+            })
+        return facts
+    except Exception as exc:
+        return {"error": f"NVML query failed: {exc}"}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gpu_count(facts: dict[str, Any]) -> int:
+    return len(facts.get("gpus", []))
+
+
+# ---- stages -----------------------------------------------------------------------------------
+
+
+def stage_versions(ctx: Context) -> dict[str, Any]:
+    versions: dict[str, Any] = {"python": sys.version.split()[0], "nvml": ctx.nvml}
+    res = ctx.run("versions: torch", [ctx.python, "-c", _TORCH_PROBE], ROOT,
+                  max(20.0, ctx.left("versions")))
+    try:
+        versions["torch"] = json.loads(res.output.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        versions["torch"] = {"error": f"torch probe exit {res.exit_code}", "log": res.log}
+    smi = ctx.run("versions: nvidia-smi", ["nvidia-smi", "--query-gpu=index,name,driver_version,"
+                  "memory.total,compute_mode,mig.mode.current", "--format=csv"], ROOT, 30) \
+        if _which("nvidia-smi") else None
+    versions["nvidia_smi"] = smi.output.strip() if smi and smi.exit_code == 0 else None
+    return versions
+
+
+def _which(cmd: str) -> bool:
+    import shutil
+
+    return shutil.which(cmd) is not None
+
+
+def stage_tests(ctx: Context) -> dict[str, Any]:
+    """Every gpu-marked test; the story tests are left to the stories stage (same commands)."""
+    junit = ctx.out / "gpu-tests.xml"
+    argv = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+            "--ignore", str(ROOT / "tests" / "test_stories.py"), f"--junitxml={junit}",
+            str(ROOT / "tests")]
+    res = ctx.run("gpu tests", argv, ROOT, ctx.left("tests"))
+    summary = parse_junit(junit)
+    summary.update(exit_code=res.exit_code, seconds=round(res.seconds, 1), timed_out=res.timed_out,
+                   log=res.log)
+    # pytest: 0 passed, 5 nothing collected; anything else (or a timeout) is a failure
+    summary["ok"] = res.exit_code in (0, 5) and not res.timed_out
+    return summary
+
+
+def parse_junit(path: Path) -> dict[str, Any]:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    cases: list[dict[str, str]] = []
+    if not path.exists():
+        return {"counts": counts, "cases": cases}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for tag, word in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            if case.find(tag) is not None:
+                outcome = word
+                break
+        counts[outcome] += 1
+        cases.append({"test": name, "outcome": outcome, "seconds": case.get("time", "")})
+    return {"counts": counts, "cases": cases}
+
+
+def story_verdict(run: catalog.StoryRun, res: Result, code: str | None) -> str:
+    if res.timed_out:
+        return "timed out"
+    if res.exit_code == catalog.SKIP_EXIT:
+        return "skipped (needs a GPU)" if run.gpu_only else "FAILED (skipped unexpectedly)"
+    if res.exit_code != run.expect_exit:
+        return f"FAILED (exit {res.exit_code}, expected {run.expect_exit})"
+    if run.expect_code is not None and code != run.expect_code:
+        return f"FAILED (explain said {code}, expected {run.expect_code})"
+    return "ok"
+
+
+def stage_stories(ctx: Context) -> list[dict[str, Any]]:
+    rows = []
+    for run in ctx.stories:
+        res = ctx.run(f"story {run.name}", [ctx.python, run.script, *run.args],
+                      catalog.STORIES_DIR / run.story, min(run.timeout_s, ctx.left("stories")))
+        code = None
+        if res.exit_code not in (0, None, catalog.SKIP_EXIT):
+            code = explain(res.output)
+        verdict = story_verdict(run, res, code)
+        rows.append({"story": run.story, "script": run.script, "args": list(run.args),
+                     "gpu_only": run.gpu_only, "exit_code": res.exit_code,
+                     "expected_exit": run.expect_exit, "explain_code": code,
+                     "expected_code": run.expect_code, "seconds": round(res.seconds, 1),
+                     "verdict": verdict, "ok": verdict == "ok" or verdict.startswith("skipped"),
+                     "log": res.log})
+    return rows
+
+
+def explain(text: str) -> str | None:
+    try:
+        return catalog.explain_code(text)
+    except ImportError:
+        return None
+
+
+def gpu_benchmarks(bench_dir: Path) -> list[tuple[Path, list[str]]]:
+    found = []
+    for path in sorted(bench_dir.glob("*.py")):
+        m = BENCH_MARKER.search(path.read_text(errors="replace"))
+        if m:
+            found.append((path, m.group(1).split()))
+    return found
+
+
+def stage_benchmarks(ctx: Context) -> list[dict[str, Any]]:
+    rows = []
+    for path, args in gpu_benchmarks(ROOT / "benchmarks"):
+        res = ctx.run(f"benchmark {path.name}", [ctx.python, str(path), *args], ROOT,
+                      ctx.left("benchmarks"))
+        rows.append({"benchmark": path.name, "args": args, "exit_code": res.exit_code,
+                     "seconds": round(res.seconds, 1), "timed_out": res.timed_out,
+                     "ok": res.exit_code == 0 and not res.timed_out,
+                     "output": res.output.strip()[-4000:], "log": res.log})
+    return rows
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+class Context:
+    def __init__(self, out: Path, python: str, budget_s: float, nvml: dict[str, Any],
+                 stories: list[catalog.StoryRun]) -> None:
+        self.out = out
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.nvml = nvml
+        self.stories = stories
+        self.groups = Groups(uuid.uuid4().hex[:12])
+        self.env = {**os.environ, RUN_ENV: self.groups.run_id, "PYTHONUNBUFFERED": "1"}
+        self.start = time.monotonic()
+        self.budget_s = budget_s
+        self.deadlines: dict[str, float] = {}
+        t = self.start
+        for stage, share in STAGE_SHARES.items():
+            t += share * budget_s
+            self.deadlines[stage] = t
+
+    def left(self, stage: str) -> float:
+        """Seconds this stage may still use: up to its cumulative deadline."""
+        return max(0.0, self.deadlines[stage] - time.monotonic())
+
+    def run(self, name: str, argv: list[str], cwd: Path, timeout_s: float) -> Result:
+        return run_command(name, argv, cwd=cwd, env=self.env, timeout_s=timeout_s,
+                           groups=self.groups, logs=self.logs)
+
+
+def run_all(ctx: Context, stages: list[str]) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": os.uname().nodename, "budget_s": ctx.budget_s, "run_id": ctx.groups.run_id,
+        "stages_requested": stages, "interrupted": None,
+    }
+    try:
+        report["versions"] = stage_versions(ctx)
+        if "tests" in stages:
+            report["tests"] = stage_tests(ctx)
+        if "stories" in stages:
+            report["stories"] = stage_stories(ctx)
+        if "benchmarks" in stages:
+            report["benchmarks"] = stage_benchmarks(ctx)
+    except Interrupted as exc:
+        report["interrupted"] = str(exc)
+    except Exception:  # a bug here must still leave a report and no process behind
+        import traceback
+
+        report["error"] = traceback.format_exc()
+    finally:
+        ctx.groups.kill_all()
+        report["stray_processes_killed"] = ctx.groups.strays()
+        report["elapsed_s"] = round(time.monotonic() - ctx.start, 1)
+    report["ok"] = overall_ok(report)
+    return report
+
+
+def overall_ok(report: dict[str, Any]) -> bool:
+    if report.get("interrupted") or report.get("error") or report.get("stray_processes_killed"):
+        return False
+    parts = [report.get("tests", {"ok": True})["ok"]]
+    parts += [row["ok"] for row in report.get("stories", [])]
+    parts += [row["ok"] for row in report.get("benchmarks", [])]
+    return all(parts)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    v = report.get("versions", {})
+    torch_v = v.get("torch", {}) or {}
+    nvml = v.get("nvml", {}) or {}
+    lines = [f"# gpuwarden GPU verification — {'OK' if report['ok'] else 'FAILED'}", "",
+             f"Host {report['host']}, started {report['started_at']}, {report['elapsed_s']} s "
+             f"of a {report['budget_s']:g} s budget, run id {report['run_id']}.", ""]
+    if report.get("interrupted"):
+        lines += [f"**Interrupted**: {report['interrupted']}", ""]
+    if report.get("error"):
+        lines += ["**verify-gpu itself failed**:", "", "```", report["error"].rstrip(), "```", ""]
+    lines += ["## Versions", "",
+              f"- Python {v.get('python')}; torch {torch_v.get('torch')} (CUDA runtime "
+              f"{torch_v.get('cuda_runtime')}, cuDNN {torch_v.get('cudnn')}, NCCL {torch_v.get('nccl')})",
+              f"- driver {nvml.get('driver')}, CUDA driver {nvml.get('cuda_driver')}"
+              + (f" (NVML: {nvml['error']})" if "error" in nvml else "")]
+    for gpu in nvml.get("gpus", []):
+        lines.append(f"- GPU {gpu['index']}: {gpu['name']}, {gpu['memory_total_bytes'] / 2**30:.1f} GiB, "
+                     f"compute mode {gpu['compute_mode']}")
+    for dev in torch_v.get("devices", []):
+        lines.append(f"- torch sees cuda:{dev['index']}: {dev['name']} (sm {dev['capability']})")
+    if "tests" in report:
+        t = report["tests"]
+        c = t["counts"]
+        lines += ["", "## gpu-marked tests", "",
+                  f"{c['passed']} passed, {c['failed']} failed, {c['errors']} errors, "
+                  f"{c['skipped']} skipped in {t['seconds']} s (exit {t['exit_code']}"
+                  f"{', timed out' if t['timed_out'] else ''}; log `{t['log']}`)", ""]
+        for case in t["cases"]:
+            if case["outcome"] != "passed":
+                lines.append(f"- {case['outcome']}: `{case['test']}`")
+    if "stories" in report:
+        lines += ["", "## Stories", "",
+                  "| story | script | exit | explain | seconds | verdict |",
+                  "|---|---|---|---|---|---|"]
+        for row in report["stories"]:
+            script = " ".join([row["script"], *row["args"]])
+            lines.append(f"| {row['story']} | `{script}` | {row['exit_code']} | "
+                         f"{row['explain_code'] or '-'} | {row['seconds']} | {row['verdict']} |")
+    if "benchmarks" in report:
+        lines += ["", "## Benchmarks", ""]
+        if not report["benchmarks"]:
+            lines.append("(no benchmark in benchmarks/ carries a `# verify-gpu:` line)")
+        for row in report["benchmarks"]:
+            lines += [f"### {row['benchmark']} {' '.join(row['args'])}", "",
+                      f"exit {row['exit_code']}, {row['seconds']} s"
+                      f"{', timed out' if row['timed_out'] else ''}", "", "```",
+                      row["output"], "```", ""]
+    strays = report.get("stray_processes_killed", [])
+    lines += ["", "## Clean-up", "",
+              f"{len(strays)} process(es) had left their group and were killed"
+              + "".join(f"\n- pid {s['pid']}: `{s['command']}`" for s in strays)]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/verify-gpu", description=__doc__.splitlines()[0],
+                                epilog="Exit: 0 ok, 1 failure, 2 usage, 3 no GPU.")
+    p.add_argument("outdir", nargs="?", default=os.environ.get("OUT"),
+                   help="where report.md/report.json and logs/ go (default: $OUT)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="bound on the whole run in seconds (default 540)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter with torch and gpuwarden (default: this one)")
+    p.add_argument("--stages", default="tests,stories,benchmarks",
+                   help="comma list of tests, stories, benchmarks (default: all)")
+    p.add_argument("--story", action="append", default=[], metavar="FOLDER",
+                   help="run only this story folder (repeatable), e.g. 4-rendezvous-stall")
+    p.add_argument("--allow-no-gpu", action="store_true",
+                   help="run without a GPU (the GPU-only story parts then skip): for testing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    if not args.outdir:
+        print("verify-gpu: no output directory: give one, or set $OUT", file=sys.stderr)
+        return 2
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = set(stages) - {"tests", "stories", "benchmarks"}
+    if unknown or args.budget_s <= 0:
+        print(f"verify-gpu: bad --stages {sorted(unknown)} or --budget-s {args.budget_s}",
+              file=sys.stderr)
+        return 2
+    stories = [r for r in catalog.ALL if not args.story or r.story in args.story]
+    if args.story and not stories:
+        print(f"verify-gpu: no story folder named {args.story}", file=sys.stderr)
+        return 2
+    import shutil
+
+    # Commands run in other directories (the story folders): the interpreter needs a full path.
+    args.python = os.path.abspath(shutil.which(args.python) or args.python)
+    out = Path(args.outdir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    nvml = nvml_facts()
+    if gpu_count(nvml) == 0 and not args.allow_no_gpu:
+        print(f"verify-gpu: no GPU ({nvml.get('error', 'NVML reports 0 GPUs')}); "
+              "--allow-no-gpu to run anyway", file=sys.stderr)
+        return 3
+    ctx = Context(out, args.python, args.budget_s, nvml, stories)
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise Interrupted(f"received {signal.Signals(signum).name}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+    report = run_all(ctx, stages)
+    write_report(out, report)
+    print(f"verify-gpu: {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']} s; "
+          f"report: {out / 'report.md'}", file=sys.stderr)
+    if report.get("interrupted"):
+        return 128 + int(getattr(signal, report["interrupted"].split()[-1], signal.SIGTERM))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""scripts/verify-gpu on a machine without a GPU: arguments, the report, and clean-up.
+
+The GPU stages themselves only mean something on a GPU host; what is checked here is what the
+script promises everywhere: it refuses bad input, writes a complete report (markdown + json),
+and leaves no process behind — after a timeout, an escaped process, or a SIGTERM mid-story.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import wait_until_gone
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import verify_gpu  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def carrying(run_id: str) -> list[int]:
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(verify_gpu.RUN_ENV) == run_id:
+                pids.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("argv, env_out, expected", [
+    ([], None, 2),  # no OUTDIR and no $OUT
+    (["{tmp}", "--stages", "tests,nonsense"], None, 2),
+    (["{tmp}", "--story", "9-no-such-story"], None, 2),
+    (["{tmp}", "--budget-s", "0"], None, 2),
+])
+def test_bad_arguments_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              argv: list[str], env_out: str | None, expected: int) -> None:
+    monkeypatch.delenv("OUT", raising=False)
+    assert verify_gpu.main([a.format(tmp=tmp_path) for a in argv]) == expected
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_without_a_gpu_it_refuses_with_exit_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    if verify_gpu.gpu_count(verify_gpu.nvml_facts()):
+        pytest.skip("a GPU is present")
+    monkeypatch.setenv("OUT", str(tmp_path))  # $OUT is the default output directory
+    assert verify_gpu.main([]) == 3
+    assert "no GPU" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_report_of_a_story_run(tmp_path: Path) -> None:
+    code = verify_gpu.main([str(tmp_path), "--allow-no-gpu", "--stages", "stories",
+                            "--story", "3-busy-cluster", "--budget-s", "60"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["schema_version"] == 1 and report["ok"] is (code == 0), report
+    assert report["versions"]["torch"]["torch"].startswith("2.")
+    rows = {" ".join([r["script"], *r["args"]]): r for r in report["stories"]}
+    naive = rows["naive.py"]
+    if not verify_gpu.gpu_count(verify_gpu.nvml_facts()):
+        assert naive["exit_code"] == 77 and naive["verdict"] == "skipped (needs a GPU)"
+    simulated = rows["fixed.py --simulated"]
+    assert simulated["exit_code"] == 0 and simulated["verdict"] == "ok", simulated
+    assert "GPU 2: ok: 61.2 GiB free" in (tmp_path / simulated["log"]).read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "| 3-busy-cluster | `fixed.py --simulated` | 0 | - |" in md
+    assert "torch 2." in md and "## Clean-up" in md
+    assert report["stray_processes_killed"] == []
+
+
+@pytest.mark.timeout(30)
+def test_a_command_past_its_deadline_is_killed_with_its_children(tmp_path: Path) -> None:
+    groups = verify_gpu.Groups("t1")
+    (tmp_path / "logs").mkdir()
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(c.pid, flush=True); time.sleep(60)")
+    start = time.monotonic()
+    res = verify_gpu.run_command("sleeper", [sys.executable, "-c", script], cwd=tmp_path,
+                                 env=dict(os.environ), timeout_s=2, groups=groups,
+                                 logs=tmp_path / "logs")
+    assert res.timed_out and time.monotonic() - start < 10
+    child = int(res.output.split()[0])
+    assert not wait_until_gone([child], 5.0)
+    assert "killed at the deadline" in (tmp_path / res.log).read_text()
+    assert not groups.alive
+
+
+@pytest.mark.timeout(30)
+def test_a_process_that_left_its_group_is_found_and_killed(tmp_path: Path) -> None:
+    groups = verify_gpu.Groups("t2-" + str(os.getpid()))
+    env = {**os.environ, verify_gpu.RUN_ENV: groups.run_id}
+    # A daemon: its own session, so killing the command's group misses it.
+    escaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                               start_new_session=True)
+    try:
+        strays = groups.strays()
+        assert [s["pid"] for s in strays] == [escaped.pid]
+        assert escaped.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if escaped.poll() is None:
+            escaped.kill()
+            escaped.wait()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_mid_story_writes_the_report_and_leaves_nothing(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "verify_gpu.py"), str(tmp_path),
+                             "--allow-no-gpu", "--stages", "stories", "--story", "4-rendezvous-stall"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    # wait until a story is running (its log appears when it ends; its ranks show up first)
+    while time.monotonic() < deadline and not any(
+            "naive.py" in " ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["interrupted"] == "received SIGTERM" and report["ok"] is False
+    assert "**Interrupted**: received SIGTERM" in (tmp_path / "report.md").read_text()
+    assert not wait_until_gone(carrying(report["run_id"]), 5.0)
