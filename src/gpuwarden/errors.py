@@ -11,10 +11,13 @@ Tree (exit code in brackets)::
     GpuwardenError [1]
     ├── UsageError [2]            bad argument, variable, or input file
     │   ├── ScenarioError         simulated-host file unreadable or invalid
-    │   └── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   ├── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   └── LeaseDirError         lease directory missing, unwritable or unsafe
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
     └── ConstraintError [4]       a request could not be met (selection, lease wait)
+        ├── LeaseUnavailableError a lease asked without waiting could not be granted now
+        └── LeaseTimeoutError     a lease wait ran out before the request was served
 
 Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
 with ``raise ... from``, so the original is kept as ``__cause__``.
@@ -32,6 +35,9 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    "LEASE_DIR": "the lease directory does not exist, cannot be written, or is unsafe to share",
+    "LEASE_UNAVAILABLE": "the GPUs a lease asks for are leased, reserved or refused right now",
+    "LEASE_TIMEOUT": "a lease waited its whole --wait and was not served",
 }
 
 EXIT_OK = 0
@@ -144,3 +150,34 @@ class ConstraintError(GpuwardenError):
 
     code = "SELECT_UNSATISFIED"
     exit_code = EXIT_CONSTRAINT
+
+
+class LeaseDirError(UsageError):
+    """The lease directory (GPUWARDEN_LEASE_DIR or the default) cannot be used.
+
+    Usual causes: its parent does not exist, another user created it without write
+    permission for others (fix: ``chmod 1777``), it is world-writable without the sticky
+    bit (any user could delete a lock file that is in use), or it is not a directory.
+    """
+
+    code = "LEASE_DIR"
+
+
+class LeaseUnavailableError(ConstraintError):
+    """A lease requested without ``wait`` found too few GPUs free right now.
+
+    The evidence names, per GPU, what blocks it: a lease (pid, user, command, for how
+    long), an earlier request waiting in line, or NVML state (foreign process, compute
+    mode, memory).
+    """
+
+    code = "LEASE_UNAVAILABLE"
+
+
+class LeaseTimeoutError(ConstraintError):
+    """A lease waited for its whole ``wait`` duration without being served.
+
+    Same evidence as :class:`LeaseUnavailableError`, as it stood when the time ran out.
+    """
+
+    code = "LEASE_TIMEOUT"
