@@ -271,16 +271,18 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
                 continue
             blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, directory)
             if blocked is not None:
-                reason, kind, paths = blocked
-                watch.extend(paths)
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False, reason, kind)
+                reason, kind, blockers = blocked
+                watch.extend(b.path for b in blockers if b.path)
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False, reason, kind,
+                                            tuple(b.record_id for b in blockers))
                 continue
             taken = _take_slots(gpu, req, directory)
             if taken is None:
                 holders_here = holders_of.get(gpu.uuid, [])
                 watch.extend(h.path for h in holders_here if h.path)
                 states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
-                                            _leased_reason(gpu, req, holders_here), "leased")
+                                            _leased_reason(gpu, req, holders_here), "leased",
+                                            tuple(h.record_id for h in holders_here))
                 continue
             chosen.append((gpu, taken))
             states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True, "free", "free")
@@ -305,14 +307,13 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
 
 def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, Record],
                 holders_of: Mapping[str, list[Record]], names: Sequence[str], directory: Path
-                ) -> tuple[str, str, list[Path]] | None:
+                ) -> tuple[str, str, list[Record]] | None:
     """Why ``gpu`` cannot be leased to ``req`` for a reason other than its own slots."""
     ticket = reserved_by.get(gpu.uuid)
     if ticket is not None:
         waited = format_duration(max(0.0, time.time() - ticket.started_at))
         return (f"held back for an earlier request: {ticket.who()} waiting for "
-                f"{ticket.gpus_wanted} GPU(s) for {waited}", "queued",
-                [ticket.path] if ticket.path else [])
+                f"{ticket.gpus_wanted} GPU(s) for {waited}", "queued", [ticket])
     for other_k in sorted(_slot_counts_in_use(names, gpu.uuid) - {req.slots_per_gpu}):
         if _any_slot_held(directory, gpu.uuid, other_k):
             holders = [h for h in holders_of.get(gpu.uuid, [])
@@ -320,7 +321,7 @@ def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, R
             who = "; ".join(h.who() for h in holders) or "a process that left no record"
             return (f"leased in {other_k} slot(s) per GPU by {who}; this request uses "
                     f"{req.slots_per_gpu}, so it waits until the GPU has no lease",
-                    "leased", [h.path for h in holders if h.path])
+                    "leased", holders)
     return None
 
 

@@ -21,6 +21,9 @@ class GpuState:
     free: bool  # could be granted to this request now
     reason: str  # "leased by pid 812 (alice, train.py) for 3m", "exclusive_process mode, ..."
     kind: str  # "free" | "leased" | "queued" | "refused" (NVML / constraints)
+    # Ids of the lease records that block it: what changes when a blocker changes
+    # (the reason's "for 3m" changes every second).
+    blocker_ids: tuple[str, ...] = ()
 
     def line(self) -> str:
         # Lease and queue reasons already say what they are ("leased by ...", "held back ...").
@@ -41,6 +44,11 @@ class WaitStatus:
     gpus: tuple[GpuState, ...]
     ahead: int  # earlier requests in line that compete for the same GPUs
     deadline_s: float | None  # seconds left, None when waiting without limit
+
+    def key(self) -> tuple[tuple[str, str, tuple[str, ...], str], ...]:
+        """Equal for two statuses blocked by the same things (durations aside)."""
+        return tuple((g.uuid, g.kind, g.blocker_ids, g.reason if g.kind == "refused" else "")
+                     for g in self.gpus)
 
     def blockers(self) -> str:
         blocked = [g for g in self.gpus if not g.free]
@@ -92,7 +100,7 @@ class StatusPrinter:
             except (AttributeError, ValueError):
                 live = False
         self.live = live
-        self._last_text = ""
+        self._last_key: Any = None
         self._last_print = 0.0
         self._live_display: Any = None
 
@@ -100,12 +108,12 @@ class StatusPrinter:
         if self.live:
             self._show_live(status)
             return
-        text = status.headline()
+        key = status.key()
         now = time.monotonic()
-        if text != self._last_text or now - self._last_print >= self.repeat_s:
+        if key != self._last_key or now - self._last_print >= self.repeat_s:
             self.stream.write(f"gpuwarden: {status.line()}\n")
             self.stream.flush()
-            self._last_text, self._last_print = text, now
+            self._last_key, self._last_print = key, now
 
     def _show_live(self, status: WaitStatus) -> None:
         from rich.console import Console, Group
