@@ -89,15 +89,52 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     except PermissionError as exc:
         raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
     pgid = child.pid
-    with _foreground(pgid), _forwarding(pgid):
-        while True:
-            try:
-                returncode = child.wait()
-                break
-            except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
-                continue
-    _reap_group(pgid)
+    guard_pid, guard_fd = _start_guard(pgid)
+    try:
+        with _foreground(pgid), _forwarding(pgid):
+            while True:
+                try:
+                    returncode = child.wait()
+                    break
+                except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
+                    continue
+        _reap_group(pgid)
+    finally:
+        with contextlib.suppress(OSError):
+            os.write(guard_fd, b"done")  # the guard exits without killing anything
+        os.close(guard_fd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(guard_pid, 0)
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def _start_guard(pgid: int) -> tuple[int, int]:
+    """A forked watcher that SIGKILLs the command's group if gpuwarden dies first.
+
+    PDEATHSIG reaches only the direct child; the guard covers the grandchildren (a
+    shell script's jobs) when gpuwarden itself is SIGKILLed and no cleanup code runs.
+    It learns of that death from a pipe: EOF without the "done" byte. Forking is safe
+    here: this process never initialized CUDA, and lease descriptors are closed in a
+    forked child (gpuwarden.lease._fs.forget_in_child), so the guard holds no lease.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(read_fd)
+        return pid, write_fd
+    try:  # the guard: only os calls, then os._exit
+        for sig in FORWARDED:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, signal.SIG_IGN)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)  # never keep the caller's pipes open
+        os.closerange(3, read_fd)
+        os.closerange(read_fd + 1, 65536)
+        if not os.read(read_fd, 4):
+            os.killpg(pgid, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def _child_setup() -> None:

@@ -66,7 +66,13 @@ def prepare_dir(path: Path) -> Path:
     where = f"lease directory {str(path)!r}"
     fix_env = f"set {LEASE_DIR_ENV} to a directory on a local filesystem"
     try:
-        os.mkdir(path, 0o700)
+        # mkdir only when missing: on an existing directory in a parent we may not write,
+        # mkdir fails with EACCES rather than EEXIST.
+        if not os.path.lexists(path):
+            os.mkdir(path, 0o700)
+            # mkdir's mode passes through the umask; chmod sets what other users need.
+            with contextlib.suppress(OSError):
+                os.chmod(path, DIR_MODE)
     except FileExistsError:
         pass
     except FileNotFoundError:
@@ -77,10 +83,6 @@ def prepare_dir(path: Path) -> Path:
     except OSError as exc:
         raise LeaseDirError(f"{where} cannot be created", why=exc.strerror or str(exc),
                             fix=fix_env) from exc
-    else:
-        # mkdir's mode passes through the umask; chmod sets what other users need.
-        with contextlib.suppress(OSError):
-            os.chmod(path, DIR_MODE)
     try:
         st = os.lstat(path)
     except OSError as exc:
