@@ -12,10 +12,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import wait_until_gone
 
 from gpuwarden.cli import main
 from gpuwarden.lease import lease, list_leases
+from tests.conftest import wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

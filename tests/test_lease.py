@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from _lease_util import fork_child, hold_and_record, read_records, wait_all
 
 from gpuwarden.errors import (
     ConstraintError,
@@ -22,6 +21,7 @@ from gpuwarden.errors import (
     UsageError,
 )
 from gpuwarden.lease import acquire, lease, list_leases
+from tests._lease_util import fork_child, hold_and_record, read_records, wait_all
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from _lease_util import fork_child, hold_and_record, overlaps, read_records, wait_all
+
+from tests._lease_util import fork_child, hold_and_record, overlaps, read_records, wait_all
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -12,9 +12,9 @@ Protocol (every step on a local filesystem, see docs/leases.md):
    Not granted and waiting: a ticket records the arrival time and the GPUs this request
    could use; later requests keep off those GPUs, so requests are served in arrival
    order and a 4-GPU job is not starved by a stream of 1-GPU jobs.
-4. Waiting is a short poll (:data:`POLL_S`) of the records of the holders and tickets
-   that block us — a release or a death shows there within one poll — plus a full
-   attempt every :data:`REFRESH_S` for changes in NVML state.
+4. Waiting blocks (in a thread per record, see _watch.py) on the flock of each holder
+   or ticket record that stands in our way, so a release or a death wakes us at once,
+   with no polling; plus a full attempt every :data:`REFRESH_S` for NVML changes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
-from gpuwarden.lease import _fs
+from gpuwarden.lease import _fs, _watch
 from gpuwarden.lease.records import (
     OwnedRecord,
     Record,
@@ -45,9 +45,8 @@ from gpuwarden.select import Constraints, judge, preference_key
 from gpuwarden.units import format_duration, parse_duration, parse_size
 from gpuwarden.visibility import CHILD_ORDER_ENV
 
-POLL_S = 0.02  # how often a waiter looks at the records of what blocks it
 REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardless
-SETTLE_S = (0.02, 0.1, 0.3)  # extra attempts after a change: a dying holder's locks go one by one
+SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
 
 
 def slot_file_name(uuid: str, slots_per_gpu: int, slot: int) -> str:
@@ -243,10 +242,15 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
         for h in holders:
             for c in h.claims:
                 holders_of.setdefault(c.uuid, []).append(h)
+        # Per GPU: the earliest request holding it back (named in the reason) and the
+        # latest one before us (watched: only its end can change our turn, so one release
+        # wakes one waiter rather than the whole line).
         reserved_by: dict[str, Record] = {}
+        next_ahead: dict[str, Record] = {}
         for t in earlier:
             for uuid in t.eligible:
                 reserved_by.setdefault(uuid, t)
+                next_ahead[uuid] = t
 
         states: dict[str, GpuState] = {}
         eligible: list[GPUSnapshot] = []
@@ -272,6 +276,8 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
             blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, directory)
             if blocked is not None:
                 reason, kind, blockers = blocked
+                if kind == "queued":
+                    blockers = [next_ahead[gpu.uuid]]
                 watch.extend(b.path for b in blockers if b.path)
                 states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False, reason, kind,
                                             tuple(b.record_id for b in blockers))
@@ -407,10 +413,6 @@ def _write_ticket(waiter: _Waiter, eligible: tuple[str, ...]) -> None:
         waiter.ticket.write(replace(record, started_at=waiter.ticket.record.started_at))
 
 
-def _changed(watch: Sequence[Path]) -> bool:
-    return any(_fs.probe_record_alive(p) is not True for p in watch)
-
-
 def _read_gpus(env: Mapping[str, str] | None) -> tuple[GPUSnapshot, ...]:
     from gpuwarden.inventory import read_visible
 
@@ -464,6 +466,7 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
             or ["no GPU is visible to this process"])
     read_at = time.monotonic()
     settle: list[float] = []
+    woken = threading.Event()
     while True:
         will_wait = time.monotonic() - start < wait_s
         attempt = _attempt_mapped(waiter, gpus, will_wait=will_wait)
@@ -477,18 +480,18 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
             raise _not_served(req, status, wait_s)
         if on_wait is not None:
             on_wait(status)
-        # Sleep until a change: a blocking holder or ticket going away (seen within one
-        # poll), a settle retry, the periodic refresh, or the deadline.
+        # Sleep until a change: a blocking holder or ticket ending (the watch threads see
+        # it the moment the kernel drops its lock), a settle retry, the periodic
+        # refresh, or the deadline.
         wake_at = min(time.monotonic() + REFRESH_S, start + wait_s, *(settle[:1] or [math.inf]))
         settle = settle[1:]
-        changed = False
-        while time.monotonic() < wake_at:
-            time.sleep(POLL_S)
-            if _changed(attempt.watch):
-                changed = True
-                base = time.monotonic()
-                settle = [base + s for s in SETTLE_S]
-                break
+        woken.clear()
+        _watch.watch(attempt.watch, woken)
+        changed = woken.wait(max(0.0, wake_at - time.monotonic()))
+        _watch.unwatch(woken)
+        if changed:
+            base = time.monotonic()
+            settle = [base + s for s in SETTLE_S]
         # A holder that ended may leave NVML's process list a moment later: re-read then.
         if changed or time.monotonic() - read_at >= REFRESH_S:
             gpus, read_at = _read_gpus(env), time.monotonic()
