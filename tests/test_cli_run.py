@@ -65,7 +65,7 @@ def test_run_exits_4_with_the_blocking_lease_when_the_wait_times_out(scenario, l
     assert "error[LEASE_TIMEOUT]" in err
     assert "GPU0 leased by pid" in err and "(root" in err or "train.py" in err
     # Piped stderr: plain status lines, not a live display.
-    assert "gpuwarden: waiting for 1 GPU: GPU0 leased by pid" in err
+    assert "gpuwarden: waiting for 1 GPU (0 of 2 free now): GPU0 leased by pid" in err
 
 
 @pytest.mark.timeout(60)

@@ -184,7 +184,8 @@ def test_waiting_reports_what_blocks_it_and_times_out_with_exit_4(scenario, leas
     err = info.value
     assert isinstance(err, ConstraintError) and err.exit_code == 4
     assert "GPU0 leased by pid" in err.why and "train.py" in err.why
-    assert seen and seen[0].headline().startswith("waiting for 1 GPU: GPU0 leased by pid")
+    assert seen and seen[0].headline().startswith(
+        "waiting for 1 GPU (0 of 2 free now): GPU0 leased by pid")
     assert _tickets() == 0  # a request that gave up leaves no ticket behind
 
 

@@ -41,7 +41,8 @@ def add_parser(sub: Any) -> None:
                    help="wait in line this long for the GPUs, e.g. 30s, 10m, inf "
                    "(default: do not wait, exit 4 when they are not free)")
     p.add_argument("--label", default=None,
-                   help="what `gpuwarden leases` shows for this lease (default: CMD's name)")
+                   help="what `gpuwarden leases` and waiting requests show for this lease "
+                   "(default: the command line)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="do not print the leased GPUs or the waiting status")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run")
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         raise UsageError("no command given", fix="gpuwarden run --gpus 1 -- python train.py")
     constraints = constraints_from_args(args)
-    label = args.label or os.path.basename(cmd[0])
+    # "python train.py --lr 3e-4", the form NVML process lines take in every reason string.
+    label = args.label or " ".join([os.path.basename(cmd[0]), *cmd[1:]])[:80]
     printer = StatusPrinter(sys.stderr)
     with printer:
         grant = acquire(constraints=constraints, slots_per_gpu=args.slots_per_gpu,

@@ -56,8 +56,10 @@ class WaitStatus:
             "not enough GPUs are visible"
 
     def headline(self) -> str:
-        """'waiting for 2 GPUs with >= 20 GiB free: GPU0 leased by pid 812 (alice, train.py) for 3m; ...'"""
-        return f"waiting for {self.request}: {self.blockers()}"
+        """'waiting for 2 GPUs with >= 20.0 GiB free (1 of 4 free now): GPU0 leased by pid 812
+        (alice, train.py) for 3m; ...'"""
+        free = sum(1 for g in self.gpus if g.free)
+        return f"waiting for {self.request} ({free} of {len(self.gpus)} free now): {self.blockers()}"
 
     def line(self) -> str:
         """The headline with the time waited and the place in line: what piped output prints."""
