@@ -74,6 +74,16 @@ def test_same_process_cannot_be_granted_its_own_slot_twice(scenario, lease_dir):
     b.release()
 
 
+def test_a_forked_child_cannot_release_or_keep_the_parents_grant(scenario, lease_dir):
+    scenario("two_idle")
+    with lease(2) as grant:
+        pid = fork_child(grant.release)  # a child that "releases" and exits
+        assert wait_all([pid], timeout_s=10)[pid] == 0
+        assert grant.held
+        with pytest.raises(LeaseUnavailableError):
+            acquire(1)  # still ours
+
+
 def test_bad_arguments_are_usage_errors(scenario, lease_dir):
     scenario("two_idle")
     for kwargs in ({"n": 0}, {"slots_per_gpu": 0}, {"slots_per_gpu": 2, "slots_each": 3},

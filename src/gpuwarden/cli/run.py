@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -84,7 +84,7 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     the command exactly as they would without gpuwarden.
     """
     try:
-        child = subprocess.Popen(list(cmd), env=env, preexec_fn=_child_setup)
+        child = subprocess.Popen(list(cmd), env=env, preexec_fn=_child_setup_fn())
     except FileNotFoundError as exc:
         raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
                          ) from exc
@@ -139,20 +139,32 @@ def _start_guard(pgid: int) -> tuple[int, int]:
         os._exit(0)
 
 
-def _child_setup() -> None:
-    """In the child before exec: its own process group, and death with gpuwarden (the
-    lease ends with gpuwarden, so must the command's use of the GPUs)."""
-    os.setpgid(0, 0)
+def _child_setup_fn() -> Callable[[], None]:
+    """What the child runs before exec: its own process group, and death with gpuwarden
+    (the lease ends with gpuwarden, so must the command's use of the GPUs).
+
+    Everything is looked up here, in the parent: between fork and exec the child only
+    makes two system calls, since other threads (lease watchers) may exist at the fork.
+    """
+    prctl: Any = None
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the grant still ends with gpuwarden
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(137)
+        pass
+    pr_set_pdeathsig = 1
+    sigkill = int(signal.SIGKILL)
+    parent = os.getpid()
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(128 + sigkill)
+
+    return setup
 
 
 @contextlib.contextmanager
