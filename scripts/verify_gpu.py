@@ -494,9 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     def interrupt(signum: int, _frame: Any) -> None:
         raise Interrupted(f"received {signal.Signals(signum).name}")
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, interrupt)
-    report = run_all(ctx, stages)
+    old_handlers = {sig: signal.signal(sig, interrupt)
+                    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        report = run_all(ctx, stages)
+    finally:  # main() is also called in-process (tests): give the handlers back
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
     write_report(out, report)
     print(f"verify-gpu: {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']} s; "
           f"report: {out / 'report.md'}", file=sys.stderr)

@@ -63,21 +63,34 @@ def test_without_a_gpu_it_refuses_with_exit_3(tmp_path: Path, monkeypatch: pytes
 @pytest.mark.timeout(60)
 def test_report_of_a_story_run(tmp_path: Path) -> None:
     code = verify_gpu.main([str(tmp_path), "--allow-no-gpu", "--stages", "stories",
-                            "--story", "3-busy-cluster", "--budget-s", "60"])
+                            "--story", "2-dataloader-fork", "--budget-s", "60"])
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["schema_version"] == 1 and report["ok"] is (code == 0), report
     assert report["versions"]["torch"]["torch"].startswith("2.")
-    rows = {" ".join([r["script"], *r["args"]]): r for r in report["stories"]}
-    naive = rows["naive.py"]
+    rows = {r["script"]: r for r in report["stories"]}
     if not verify_gpu.gpu_count(verify_gpu.nvml_facts()):
-        assert naive["exit_code"] == 77 and naive["verdict"] == "skipped (needs a GPU)"
-    simulated = rows["fixed.py --simulated"]
-    assert simulated["exit_code"] == 0 and simulated["verdict"] == "ok", simulated
-    assert "GPU 2: ok: 61.2 GiB free" in (tmp_path / simulated["log"]).read_text()
+        assert rows["naive.py"]["exit_code"] == 77
+        assert rows["naive.py"]["verdict"] == "skipped (needs a GPU)"
+    fixed = rows["fixed.py"]
+    assert fixed["exit_code"] == 0 and fixed["verdict"] == "ok", fixed
+    assert "checksums match" in (tmp_path / fixed["log"]).read_text()
     md = (tmp_path / "report.md").read_text()
-    assert "| 3-busy-cluster | `fixed.py --simulated` | 0 | - |" in md
+    assert "| 2-dataloader-fork | `fixed.py` | 0 | - |" in md
     assert "torch 2." in md and "## Clean-up" in md
     assert report["stray_processes_killed"] == []
+
+
+def test_a_failing_story_is_reported_with_explains_code(tmp_path: Path) -> None:
+    run = verify_gpu.catalog.NAIVE4["port-in-use"]
+    fake = verify_gpu.Result("x", [], 1, 3.0, False, "logs/x.log",
+                             "DistNetworkError: The server socket has failed to listen on any local "
+                             "network address. port: 1, useIpv6: false, code: -98, name: EADDRINUSE")
+    code = verify_gpu.explain(fake.output)
+    assert code == "RDZV_PORT_IN_USE"
+    assert verify_gpu.story_verdict(run, fake, code) == "ok"
+    assert verify_gpu.story_verdict(run, fake, "NONE") == "FAILED (explain said NONE, expected RDZV_PORT_IN_USE)"
+    fake.exit_code = 0
+    assert verify_gpu.story_verdict(run, fake, None) == "FAILED (exit 0, expected 1)"
 
 
 @pytest.mark.timeout(30)
