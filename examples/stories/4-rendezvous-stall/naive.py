@@ -6,9 +6,9 @@
 
 This is what `torchrun` does per rank, and what tutorials do in two terminals: set MASTER_ADDR,
 MASTER_PORT, RANK and WORLD_SIZE and call init_process_group. PyTorch's own timeout is 30 min
-for gloo (10 for NCCL); the ranks get --timeout-s (default 4 s) instead, and whatever still runs
-after --give-up-s (default 20 s) is killed, so the story ends in seconds. The output of every
-rank is printed as it came (prefixed like torchrun's --tee), then how each rank ended.
+for gloo (10 for NCCL); the ranks get --timeout-s (default 4 s) instead, and a rank still
+running --give-up-s (default 20 s) after init_process_group began is killed, so the story ends
+in seconds. Every rank's output is printed (prefixed like torchrun's --tee), then how each ended.
 
 Exit code: 1 when the failure was reproduced (a rank failed or had to be killed), 0 if the job
 worked after all.
@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def read_lines(proc: subprocess.Popen[str], into: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        into.append(line.rstrip("\n"))
 
 
 def main() -> int:
@@ -69,17 +76,36 @@ def main() -> int:
                 [sys.executable, str(HERE / "train.py"), "--timeout-s", str(args.timeout_s)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True)
+        lines: dict[int, list[str]] = {rank: [] for rank in procs}
+        readers = [threading.Thread(target=read_lines, args=(proc, lines[rank]), daemon=True)
+                   for rank, proc in procs.items()]
+        for reader in readers:
+            reader.start()
+        # --give-up-s counts from when every rank is in init_process_group (torch's import
+        # takes seconds on a loaded machine); a rank that never gets there is bounded too.
         ended: dict[int, float] = {}
-        while len(ended) < len(procs) and time.monotonic() - start < args.give_up_s:
+        in_init_at: float | None = None
+        while len(ended) < len(procs):
+            now = time.monotonic()
             for rank, proc in procs.items():
                 if rank not in ended and proc.poll() is not None:
-                    ended[rank] = time.monotonic() - start
+                    ended[rank] = now - start
+            if in_init_at is None and all(
+                    rank in ended or any("init_process_group" in ln for ln in lines[rank])
+                    for rank in procs):
+                in_init_at = now
+            if (in_init_at is not None and now - in_init_at > args.give_up_s) or \
+                    now - start > args.give_up_s + 60:
+                break
             time.sleep(0.1)
         for rank, proc in procs.items():
             if rank not in ended:
                 os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            for line in out.splitlines():
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=5)
+        for rank in procs:
+            for line in lines[rank]:
                 print(f"[rank{rank}]:{line}")
         print("---")
         failed = False
@@ -88,8 +114,8 @@ def main() -> int:
                 print(f"rank {rank}: exit code {proc.returncode} after {ended[rank]:.1f} s")
                 failed |= proc.returncode != 0
             else:
-                print(f"rank {rank}: still waiting after {args.give_up_s:.0f} s "
-                      f"(its timeout was {args.timeout_s:g} s), killed")
+                print(f"rank {rank}: still waiting {args.give_up_s:.0f} s after init_process_group "
+                      f"began (its timeout was {args.timeout_s:g} s), killed")
                 failed = True
         for rank in sorted({0, 1} - set(ranks_to_start)):
             print(f"rank {rank}: never started (nothing above names it)")

@@ -26,6 +26,8 @@ def main() -> None:
     if rank == args.stuck_rank:
         time.sleep(3600)  # "downloading the dataset": never reaches init_process_group
     timeout = datetime.timedelta(seconds=args.timeout_s) if args.timeout_s else None
+    print(f"rank {rank}: init_process_group(gloo) via {os.environ['MASTER_ADDR']}:"
+          f"{os.environ['MASTER_PORT']}", flush=True)
     dist.init_process_group("gloo", timeout=timeout)
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
