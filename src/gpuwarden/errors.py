@@ -14,7 +14,9 @@ Tree (exit code in brackets)::
     │   └── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
-    └── ConstraintError [4]       a request could not be met (selection, lease wait)
+    ├── ConstraintError [4]       a request could not be met (selection, lease wait)
+    └── LaunchError [1]           a launch cannot start (preflight), or a job failed
+        └── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
 
 Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
 with ``raise ... from``, so the original is kept as ``__cause__``.
@@ -32,6 +34,10 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    "RANK_FAILED": "a rank failed in a way no failure code describes (its exception or exit is shown)",
+    "RANK_STALL": "ranks waited in init_process_group or a collective longer than --stall-timeout "
+    "while other ranks were missing, dead or elsewhere",
+    "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
 }
 
 EXIT_OK = 0
@@ -144,3 +150,19 @@ class ConstraintError(GpuwardenError):
 
     code = "SELECT_UNSATISFIED"
     exit_code = EXIT_CONSTRAINT
+
+
+class LaunchError(GpuwardenError):
+    """A launch cannot start, or a job it ran failed (the report says which rank and why)."""
+
+    code = "RANK_FAILED"
+
+
+class PortInUseError(LaunchError):
+    """The MASTER_PORT given explicitly is already bound on this host.
+
+    Usual causes: another job (or a stale rank of an earlier run) holds it; two launches given the
+    same --master-port. gpuwarden picks a free port when none is given.
+    """
+
+    code = "RDZV_PORT_IN_USE"

@@ -18,7 +18,7 @@ from gpuwarden import __version__
 from gpuwarden.errors import EXIT_USAGE, GpuwardenError
 
 # Subcommand modules, in the order `gpuwarden --help` lists them.
-COMMANDS = ("ls", "select")
+COMMANDS = ("ls", "select", "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:
