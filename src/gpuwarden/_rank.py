@@ -69,7 +69,7 @@ class _TorchHooks(importlib.abc.MetaPathFinder):
     """Patches torch.distributed / torch.cuda right after they execute, only if the script
     imports them (the bootstrap itself never imports torch)."""
 
-    def __init__(self, patchers: dict[str, Callable[[ModuleType], None]]) -> None:
+    def __init__(self, patchers: dict[str, Callable[[Any], None]]) -> None:
         self.patchers = patchers
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
@@ -83,23 +83,26 @@ class _TorchHooks(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
                 loader: Any = spec.loader
-                original = loader.exec_module
-
-                def exec_module(module: ModuleType) -> None:
-                    original(module)
-                    try:
-                        patch(module)
-                    except Exception as exc:  # a hook must never break the user's import
-                        print(f"[gpuwarden] could not hook {fullname}: {exc!r}", file=sys.stderr)
-
-                loader.exec_module = exec_module
+                loader.exec_module = _patched_exec(loader.exec_module, patch, fullname)
                 return spec
             if spec is not None:
                 return spec
         return None
 
 
-def _patch_distributed(dist: ModuleType) -> None:
+def _patched_exec(original: Callable[[ModuleType], None], patch: Callable[[ModuleType], None],
+                  fullname: str) -> Callable[[ModuleType], None]:
+    def exec_module(module: ModuleType) -> None:
+        original(module)
+        try:
+            patch(module)
+        except Exception as exc:  # a hook must never break the user's import
+            print(f"[gpuwarden] could not hook {fullname}: {exc!r}", file=sys.stderr)
+
+    return exec_module
+
+
+def _patch_distributed(dist: Any) -> None:
     init = getattr(dist, "init_process_group", None)
     if init is None:  # torch built without distributed support
         return
@@ -140,7 +143,7 @@ def _ordinal(device: Any) -> int | None:
     return None
 
 
-def _patch_cuda(cuda: ModuleType) -> None:
+def _patch_cuda(cuda: Any) -> None:
     """Each rank sees one GPU, so ``set_device(LOCAL_RANK)`` would be 'invalid device ordinal'
     for every rank but 0: map exactly that call to device 0, the rank's own GPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -155,13 +158,22 @@ def _patch_cuda(cuda: ModuleType) -> None:
     cuda.set_device = set_device_bound
 
 
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback as `python SCRIPT` would print it: without the bootstrap's, runpy's and
+    the progress hooks' frames."""
+    te = traceback.TracebackException.from_exception(exc)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if f.filename != __file__ and "runpy" not in f.filename])
+    return "".join(te.format())
+
+
 def _write_error(path: str, exc: BaseException) -> None:
     record = {
         "rank": int(os.environ.get("RANK", "-1")),
         "pid": os.getpid(),
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "traceback": _user_traceback(exc),
         "monotonic": time.monotonic(),
         "time": time.time(),
     }
@@ -218,7 +230,7 @@ def main(argv: list[str]) -> int:
         faulthandler.register(getattr(signal, STACK_SIGNAL_NAME), file=stacks, all_threads=True)
     if env.get("GPUWARDEN_STATUS_FILE"):
         _status = StatusWriter(env["GPUWARDEN_STATUS_FILE"])
-    patchers: dict[str, Callable[[ModuleType], None]] = {"torch.distributed": _patch_distributed}
+    patchers: dict[str, Callable[[Any], None]] = {"torch.distributed": _patch_distributed}
     if env.get("GPUWARDEN_BIND", "rank") == "rank" and env.get("GPUWARDEN_DEVICE") == "cuda":
         patchers["torch.cuda"] = _patch_cuda
     sys.meta_path.insert(0, _TorchHooks(patchers))
@@ -241,7 +253,7 @@ def main(argv: list[str]) -> int:
         _set(Phase.FAILED)
         if env.get("GPUWARDEN_ERROR_FILE"):
             _write_error(env["GPUWARDEN_ERROR_FILE"], exc)
-        traceback.print_exception(exc)
+        sys.stderr.write(_user_traceback(exc))
         code = 1
     else:
         _set(Phase.FINISHED)

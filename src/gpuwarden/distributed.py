@@ -222,7 +222,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         report, _ = launch(config, argv_for=lambda _c: argv, run_dir=work)
         if not report.ok:
             raise SpawnError(report.what, why=report.why, fix=report.fix,
-                             evidence=[*report.evidence, *report.details], code=report.code)
+                             evidence=[*report.evidence, *(f"{h}: {' | '.join(b[:6])}" for h, b in report.sections)],
+                             code=report.code)
         results = []
         for rank in range(nprocs):
             with open(os.path.join(work, f"rank{rank}.result.pkl"), "rb") as f:
@@ -235,11 +236,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
 
 
 def _pickler() -> Any:
-    try:
-        import cloudpickle
-    except ImportError:
+    import importlib
+
+    for name in ("cloudpickle", "joblib.externals.cloudpickle"):
         try:
-            from joblib.externals import cloudpickle  # type: ignore[no-redef]
+            return importlib.import_module(name)
         except ImportError:
-            return pickle
-    return cloudpickle
+            continue
+    return pickle

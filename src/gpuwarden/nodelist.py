@@ -37,6 +37,8 @@ def _split_top(text: str) -> list[str]:
     for i, ch in enumerate(text):
         if ch == "[":
             depth += 1
+            if depth > 1:
+                raise _bad(text, "brackets inside brackets")
         elif ch == "]":
             depth -= 1
             if depth < 0:

@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall
+from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
 
 TRACEBACK_TAIL_LINES = 12
 ECHO_WINDOW_S = 2.0
@@ -50,7 +50,8 @@ class LaunchReport:
     why: str | None = None
     fix: str | None = None
     evidence: list[str] = field(default_factory=list)
-    details: list[str] = field(default_factory=list)  # traceback tail, stacks: printed indented
+    # (heading, lines): the traceback tail, the stacks; printed indented under the evidence
+    sections: list[tuple[str, list[str]]] = field(default_factory=list)
     root_rank: int | None = None
 
     @property
@@ -66,13 +67,16 @@ class LaunchReport:
         if self.fix:
             lines.append(f"  fix: {self.fix}")
         lines += [f"  evidence: {e}" for e in self.evidence]
-        lines += [f"  {d}" if d.endswith(":") else f"    {d}" for d in self.details]
+        for heading, body in self.sections:
+            lines.append(f"  {heading}:")
+            lines += [f"    {line}" for line in body]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "exit_code": self.exit_code, "code": self.code, "what": self.what,
                 "why": self.why, "fix": self.fix, "evidence": self.evidence,
-                "details": self.details, "root_rank": self.root_rank}
+                "sections": [{"heading": h, "lines": b} for h, b in self.sections],
+                "root_rank": self.root_rank}
 
 
 def exit_words(returncode: int) -> str:
@@ -160,21 +164,21 @@ def _explain(text: str) -> Any:
 def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     after = root.failed_at - outcome.started_at
     err = root.error or {}
-    details: list[str] = []
+    details: list[tuple[str, list[str]]] = []
     if err:
         what = f"rank {root.rank} failed first: {err.get('type')}: {err.get('message')}"
         tb = str(err.get("traceback", "")).rstrip().splitlines()
-        details = [f"traceback of rank {root.rank} (last lines):", *tb[-TRACEBACK_TAIL_LINES:]]
+        details.append((f"traceback of rank {root.rank} (last lines)", tb[-TRACEBACK_TAIL_LINES:]))
     elif root.returncode < 0:
         what = f"rank {root.rank} was killed by {exit_words(root.returncode)[7:]}"
     else:
         what = f"rank {root.rank} failed first: {exit_words(root.returncode)}"
     if root.fatal_dump.strip():
-        details += [f"Python stack of rank {root.rank} at the crash:",
-                    *root.fatal_dump.strip().splitlines()[:TRACEBACK_TAIL_LINES]]
-    if not err and root.stderr_tail:
-        details += [f"last lines rank {root.rank} wrote to stderr:",
-                    *root.stderr_tail[-8:]]
+        first = root.fatal_dump.strip().splitlines()[0]
+        details.append((f"Python stack of rank {root.rank} at the crash ({first})",
+                        main_thread_frames(root.fatal_dump, TRACEBACK_TAIL_LINES)))
+    elif not err and root.stderr_tail:
+        details.append((f"last lines rank {root.rank} wrote to stderr", root.stderr_tail[-8:]))
 
     text = "\n".join([str(err.get("traceback", "")), *root.stderr_tail, root.fatal_dump])
     diag = _explain(text)
@@ -196,7 +200,8 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
             continue
         line = _rank_line(outcome, e)
         if e.failed and not e.stopped_by_launcher:
-            line += " (failed after rank %d%s)" % (root.rank, ", an echo of it" if is_echo(e) else "")
+            echo = ", an echo of it" if is_echo(e) else ""
+            line += f" (failed after rank {root.rank}{echo})"
         evidence.append(line)
     if diag is not None:
         evidence += [f"line {n}: {t}" for n, t in list(getattr(diag, "evidence", []))[:3]]
@@ -223,9 +228,9 @@ def _stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
            "legitimately slow, or --keep-waiting to only report")
     evidence = [f"rank {rank}: pid {outcome.pids.get(rank)}, {_device(outcome, rank)}, "
                 f"{stall.where.get(rank, 'unknown')}" for rank in range(world)]
-    details: list[str] = []
+    details: list[tuple[str, list[str]]] = []
     for rank in range(world):
         frames = stall.stacks.get(rank)
         if frames:
-            details += [f"stack of rank {rank} (innermost first):", *frames]
+            details.append((f"stack of rank {rank} (innermost first)", frames))
     return LaunchReport(1, code, what, why, fix, evidence, details, None)

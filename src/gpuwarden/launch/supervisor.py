@@ -207,9 +207,8 @@ class Supervisor:
             if not live:
                 break
             if self._stop_began is None:
-                if self._interrupt is not None:
-                    self._begin_stop()
-                elif any(r.exit is not None and r.exit.failed for r in self.ranks):
+                failed = any(r.exit is not None and r.exit.failed for r in self.ranks)
+                if self._interrupt is not None or failed:
                     self._begin_stop()
                 elif now >= next_stall_check:
                     next_stall_check = now + 0.2
@@ -443,7 +442,7 @@ def main_thread_frames(dump: str, limit: int = 6) -> list[str]:
     if not blocks:
         return []
     main = next((b for b in blocks if any("gpuwarden/_rank.py" in f for f in b)), blocks[0])
-    frames = [f for f in main if "gpuwarden/_rank.py" not in f and "/runpy.py" not in f]
+    frames = [f for f in main if "gpuwarden/_rank.py" not in f and "runpy" not in f]
     return frames[:limit]
 
 
