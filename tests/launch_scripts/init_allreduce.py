@@ -1,0 +1,13 @@
+"""The gpuwarden.distributed.init() way."""
+import torch
+import torch.distributed as dist
+
+import gpuwarden.distributed as gdist
+
+info = gdist.init()
+assert gdist.init() is info  # idempotent
+t = torch.tensor([float(info.rank + 1)])
+dist.all_reduce(t)
+print(f"rank {info.rank}/{info.world_size} local {info.local_rank} {info.device} {info.backend} "
+      f"launcher={info.launcher} sum={t.item():g}")
+gdist.destroy()
