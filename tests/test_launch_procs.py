@@ -70,6 +70,7 @@ def test_init_script_and_ddp_example(capsys: pytest.CaptureFixture[str]) -> None
     code, out, err = launch(capsys, "-n", "2", str(SCRIPTS / "init_allreduce.py"))
     assert code == 0, err
     assert "[rank1]: rank 1/2 local 1 cpu gloo launcher=gpuwarden sum=3" in out
+    assert "[rank0]: atexit handler ran" in out and "[rank1]: atexit handler ran" in out
     code, out, err = launch(capsys, "-n", "2", str(ROOT / "examples" / "train_ddp.py"))
     assert code == 0, err
     assert "[rank0]: rank 0/2 on cpu: step 59" in out and "[rank1]: rank 1/2 on cpu: step 59" in out

@@ -1,9 +1,12 @@
-"""The gpuwarden.distributed.init() way."""
+"""The gpuwarden.distributed.init() way; an atexit handler must still run (the bootstrap's fast exit)."""
+import atexit
+
 import torch
 import torch.distributed as dist
 
 import gpuwarden.distributed as gdist
 
+atexit.register(lambda: print("atexit handler ran", flush=True))
 info = gdist.init()
 assert gdist.init() is info  # idempotent
 t = torch.tensor([float(info.rank + 1)])

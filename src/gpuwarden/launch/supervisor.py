@@ -137,6 +137,7 @@ class Supervisor:
         self._interrupt: str | None = None
         self._stop_began: float | None = None
         self._killed = False
+        self._failing: set[int] = set()  # ranks seen FAILED before they exited
         self._stall: Stall | None = None
         self._stall_reported = False
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -208,6 +209,15 @@ class Supervisor:
                 break
             if self._stop_began is None:
                 failed = any(r.exit is not None and r.exit.failed for r in self.ranks)
+                if not failed:
+                    # A rank that raised has written its error record and marked itself FAILED
+                    # before its (slow, with torch loaded) interpreter teardown: stop the
+                    # others now, let it finish exiting on its own.
+                    for r in live:
+                        st = _safe_status(r)
+                        if st is not None and st.phase is Phase.FAILED:
+                            self._failing.add(r.spec.rank)
+                            failed = True
                 if self._interrupt is not None or failed:
                     self._begin_stop()
                 elif now >= next_stall_check:
@@ -227,7 +237,7 @@ class Supervisor:
     def _begin_stop(self) -> None:
         self._stop_began = time.monotonic()
         for r in self.ranks:
-            if r.exit is None:
+            if r.exit is None and r.spec.rank not in self._failing:
                 self._signal_group(r, signal.SIGTERM)
 
     def _signal_group(self, rank: _Rank, sig: signal.Signals) -> None:
@@ -244,7 +254,8 @@ class Supervisor:
             now = time.monotonic()
             r.exit = RankExit(
                 rank=r.spec.rank, pid=r.proc.pid, returncode=code, ended_at=now,
-                stopped_by_launcher=self._stop_began is not None,
+                stopped_by_launcher=self._stop_began is not None
+                and r.spec.rank not in self._failing,
                 error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal),
                 last_status=_safe_status(r))
             if code != 0:
