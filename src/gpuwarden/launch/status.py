@@ -61,7 +61,7 @@ class RankStatus:
             return f"running, between collectives (last: {self.op} #{self.collectives})"
         if self.phase is Phase.FINISHED:
             return "finished its script"
-        return "raised an exception"
+        return "failed (exception or non-zero exit)"
 
 
 class StatusWriter:

@@ -453,7 +453,8 @@ def main_thread_frames(dump: str, limit: int = 6) -> list[str]:
     if not blocks:
         return []
     main = next((b for b in blocks if any("gpuwarden/_rank.py" in f for f in b)), blocks[0])
-    frames = [f for f in main if "gpuwarden/_rank.py" not in f and "runpy" not in f]
+    noise = ("gpuwarden/_rank.py", "runpy", "c10d_logger.py")  # bootstrap, runpy, torch's log wrapper
+    frames = [f for f in main if not any(n in f for n in noise)]
     return frames[:limit]
 
 
