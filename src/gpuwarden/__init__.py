@@ -7,6 +7,36 @@ the most used names are re-exported lazily below.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+# name -> submodule that defines it; imported on first access (PEP 562).
+_LAZY = {
+    "fork_safe": "gpuwarden.forksafe",
+    "fork_safety": "gpuwarden.forksafe",
+    "ForkSafety": "gpuwarden.forksafe",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpuwarden' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+# The "gpuwarden" joblib backend: registered when joblib.parallel is (or gets) imported,
+# without importing joblib here. See gpuwarden/_joblib_hook.py.
+from gpuwarden import _joblib_hook  # noqa: E402
+
+_joblib_hook.install()

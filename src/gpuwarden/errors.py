@@ -11,10 +11,16 @@ Tree (exit code in brackets)::
     GpuwardenError [1]
     ├── UsageError [2]            bad argument, variable, or input file
     │   ├── ScenarioError         simulated-host file unreadable or invalid
-    │   └── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   ├── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
+    │   ├── CudaTensorArgumentError  a CUDA tensor passed to a pool task
+    │   ├── InputUnreadableError  a log for `explain` is missing, a directory, or binary
+    │   └── KnowledgeBaseError    explain's knowledge.toml (or one given) is malformed
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
     ├── ConstraintError [4]       a request could not be met (selection, lease wait)
+    ├── PoolError [1]             a GPU worker pool failed
+    │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
+    │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
     └── LaunchError [1]           a launch cannot start (preflight), or a job failed
         └── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
 
@@ -34,6 +40,13 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    "POOL_WORKER_DIED": "a pool worker process died while running a task",
+    "POOL_BROKEN": "a pool cannot run tasks: its workers cannot start, or it was shut down",
+    "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
+    # Not in failure-codes.md: DataLoader's "received 0 items of ancdata" / "Too many open files".
+    "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
+    "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
+    "KB_INVALID": "the explain knowledge base (knowledge.toml) is malformed",
     "RANK_FAILED": "a rank failed in a way no failure code describes (its exception or exit is shown)",
     "RANK_STALL": "ranks waited in init_process_group or a collective longer than --stall-timeout "
     "while other ranks were missing, dead or elsewhere",
@@ -152,6 +165,68 @@ class ConstraintError(GpuwardenError):
     exit_code = EXIT_CONSTRAINT
 
 
+class CudaTensorArgumentError(UsageError):
+    """A pool task's arguments hold a CUDA tensor.
+
+    Refused because each worker sees only its own GPU as ``cuda:0``: unpickled there, the
+    tensor would be re-created on a different GPU than the one it lives on. Pass CPU tensors
+    and move them inside the task.
+    """
+
+    code = "POOL_CUDA_ARGUMENT"
+
+
+class PoolError(GpuwardenError):
+    """A failure of gpuwarden's GPU worker pool."""
+
+    code = "POOL_BROKEN"
+
+
+class WorkerDiedError(PoolError):
+    """A pool worker died while it ran a task; the pool replaced it and goes on.
+
+    Usual causes: the host's OOM killer (SIGKILL, see ``dmesg``), a segfault in a native
+    library or a CUDA error that aborted the process, ``os._exit``/``sys.exit`` in the task,
+    or someone killing the process.
+    """
+
+    code = "POOL_WORKER_DIED"
+
+    def __init__(self, what: str, *, worker: str = "", gpu: str = "", exit_status: str = "",
+                 task: str = "", **kwargs: Any) -> None:
+        super().__init__(what, **kwargs)
+        self.worker = worker
+        self.gpu = gpu
+        self.exit_status = exit_status
+        self.task = task
+
+
+class PoolBrokenError(PoolError):
+    """The pool cannot run tasks: its workers fail to start (initializer error, preload crash,
+    repeated deaths at start-up) or it has been shut down."""
+
+    code = "POOL_BROKEN"
+
+
+class InputUnreadableError(UsageError):
+    """A log handed to ``gpuwarden explain`` cannot be read as text.
+
+    Usual causes: a wrong path, a directory, no read permission, or binary data
+    (a core dump, a checkpoint) instead of a log.
+    """
+
+    code = "INPUT_UNREADABLE"
+
+
+class KnowledgeBaseError(UsageError):
+    """The explain knowledge base is missing, not TOML, or has a malformed entry.
+
+    Usual causes: a regex that does not compile (TOML basic strings eat backslashes:
+    write patterns in single quotes), a keyword with upper-case letters, a misspelt
+    field, ``requires`` naming a context that is not defined.
+    """
+
+    code = "KB_INVALID"
 class LaunchError(GpuwardenError):
     """A launch cannot start, or a job it ran failed (the report says which rank and why)."""
 

@@ -193,3 +193,81 @@ def interface_names() -> tuple[str, ...]:
     import psutil
 
     return tuple(psutil.net_if_addrs())
+
+
+def interface_addresses(*, up_only: bool = True) -> dict[str, tuple[str, ...]]:
+    """Interface name -> its IPv4/IPv6 addresses (``{'lo': ('127.0.0.1', '::1'), ...}``).
+
+    Interfaces that are down are left out unless ``up_only`` is False: NCCL and Gloo
+    cannot use them either.
+    """
+    import psutil
+
+    stats = psutil.net_if_stats()
+    out: dict[str, tuple[str, ...]] = {}
+    for name, addrs in psutil.net_if_addrs().items():
+        if up_only and name in stats and not stats[name].isup:
+            continue
+        out[name] = tuple(a.address.split("%")[0] for a in addrs
+                          if a.family in (socket.AF_INET, socket.AF_INET6))
+    return out
+
+
+def source_address_for(address: str) -> str | None:
+    """The local address the kernel's routing table picks to reach ``address``.
+
+    A connected UDP socket sends nothing; connecting it only asks the kernel for
+    the route, so this is instant and safe to call towards any address.
+    """
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((address.split("%")[0], 9))  # port 9 (discard); no packet leaves
+            return str(sock.getsockname()[0])
+    except OSError:
+        return None  # no route to it at all
+
+
+def interface_of(address: str, interfaces: dict[str, tuple[str, ...]]) -> str | None:
+    """The name of the interface that holds ``address`` (None when no interface does)."""
+    for name, addrs in interfaces.items():
+        if address in addrs:
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class IfnameSpec:
+    """NCCL_SOCKET_IFNAME's syntax: ``eth,ib`` prefixes; ``^docker,lo`` excludes;
+    ``=eth0`` exact names; ``^=eth0`` excludes exact names. ``:port`` suffixes
+    (an IB port) are ignored for sockets. Gloo's GLOO_SOCKET_IFNAME is a comma list of
+    exact names: parse it with ``exact=True``."""
+
+    raw: str
+    names: tuple[str, ...]
+    exclude: bool
+    exact: bool
+
+    def matches(self, interface: str) -> bool:
+        hit = any(interface == n if self.exact else interface.startswith(n) for n in self.names)
+        return hit != self.exclude
+
+
+def parse_ifname_spec(raw: str, *, exact: bool = False) -> IfnameSpec:
+    text = raw.strip()
+    exclude = text.startswith("^")
+    if exclude:
+        text = text[1:]
+    if text.startswith("="):
+        exact, text = True, text[1:]
+    names = tuple(n.split(":")[0].strip() for n in text.split(",") if n.split(":")[0].strip())
+    return IfnameSpec(raw, names, exclude, exact)
+
+
+def usable_address(address: str) -> bool:
+    """An address NCCL's socket bootstrap would use: IPv4, or IPv6 that is not link-local."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    return not (ip.version == 6 and ip.is_link_local)

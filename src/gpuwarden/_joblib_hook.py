@@ -1,0 +1,78 @@
+"""Registers the "gpuwarden" joblib backend without importing joblib.
+
+``import gpuwarden`` calls :func:`install`. When ``joblib.parallel`` is already imported,
+the backend is registered at once; otherwise a finder on ``sys.meta_path`` waits for
+``joblib.parallel`` to be imported (whenever the user imports joblib, before or after
+gpuwarden) and registers right after that module has run. The finder answers no other
+module, costs one string comparison per import, and removes itself once done. The
+backend class itself (which imports joblib and the pool) loads on first use.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+BACKEND_NAME = "gpuwarden"
+_TARGET = "joblib.parallel"
+
+
+def _backend_factory(**kwargs: Any) -> Any:
+    from gpuwarden.pool.joblib_backend import GpuwardenBackend
+
+    return GpuwardenBackend(**kwargs)
+
+
+def register(parallel_module: ModuleType | None = None) -> None:
+    """Register the backend with joblib (imports joblib if it is not imported yet)."""
+    if parallel_module is None:
+        import joblib.parallel
+
+        parallel_module = joblib.parallel
+    parallel_module.register_parallel_backend(BACKEND_NAME, _backend_factory)
+
+
+class _AfterImportFinder:
+    """Meta-path finder that lets the normal finders find joblib.parallel, then hooks it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            original(module)
+            _remove()
+            register(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_finder = _AfterImportFinder()
+
+
+def _remove() -> None:
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def install() -> None:
+    """Register now if joblib.parallel is loaded, else as soon as it is."""
+    module = sys.modules.get(_TARGET)
+    if module is not None:
+        register(module)
+    elif _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)

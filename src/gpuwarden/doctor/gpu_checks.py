@@ -1,0 +1,307 @@
+"""Checks of the driver, torch's CUDA build, and the GPUs this process would use.
+
+Pure functions: (host snapshot, torch facts, environment) -> Check. The GPU state
+is NVML's (or a simulated scenario's); torch's view comes from a subprocess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gpuwarden.doctor.model import Check, Status, check
+from gpuwarden.doctor.probes import TorchInfo
+from gpuwarden.errors import GpuwardenError, VisibilityError
+from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot, HostSnapshot
+from gpuwarden.select import Constraints, select
+from gpuwarden.units import format_bytes
+from gpuwarden.visibility import Visibility, parse_visibility
+
+OK, WARN, FAIL, SKIP = Status.OK, Status.WARN, Status.FAIL, Status.SKIP
+
+# Below this share of free memory a GPU is reported as nearly full (CUDA_OOM risk).
+LOW_FREE_FRACTION = 0.10
+
+
+def _gpu_word(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def check_driver(host: HostSnapshot | None, error: GpuwardenError | None, torch: TorchInfo) -> Check:
+    """NVML and the driver: present, which version, how many GPUs."""
+    if host is None:
+        wants_gpu = torch.cuda_compiled
+        return check(
+            "driver", "CUDA_NO_DEVICE", FAIL if wants_gpu else WARN,
+            "no NVIDIA driver: NVML cannot be read, no GPU will be used"
+            + (f" although torch {torch.version} is a CUDA build" if wants_gpu else
+               " (jobs run on CPU with gloo)"),
+            why=(error.why or error.what) if error else None,
+            fix=error.fix if error else None,
+        )
+    source = "NVML" if host.source == "nvml" else f"a simulated host ({host.source})"
+    evidence = [f"{g.label}: {g.name}, {g.pci_bus_id}, {g.uuid}" for g in host.gpus]
+    if not host.gpus:
+        return check("driver", "CUDA_NO_DEVICE", FAIL if torch.cuda_compiled else WARN,
+                     f"NVIDIA driver {host.driver_version} is loaded but reports no GPU",
+                     why="the container or VM was started without GPUs, or the GPUs fell off "
+                     "the bus (dmesg: 'fallen off the bus', Xid 79)",
+                     fix="start the container with --gpus all; check `nvidia-smi` and dmesg")
+    return check("driver", "CUDA_NO_DEVICE", OK,
+                 f"NVIDIA driver {host.driver_version or '?'} (supports CUDA up to "
+                 f"{host.cuda_driver_version or '?'}), {_gpu_word(len(host.gpus))} through {source}",
+                 evidence=evidence)
+
+
+def _version(text: str | None) -> tuple[int, int] | None:
+    try:
+        parts = (text or "").split(".")
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return None
+
+
+_TOO_OLD_MARKERS = ("too old", "insufficient for cuda runtime", "driver version is insufficient")
+
+
+def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
+    """torch.version.cuda against the newest CUDA the driver supports (CUDA_DRIVER_TOO_OLD)."""
+    cid, code = "torch_cuda_build", "CUDA_DRIVER_TOO_OLD"
+    evidence = [f"python: {torch.python}"]
+    if torch.version and torch.imported:
+        evidence.append(f"torch {torch.version}, built with CUDA {torch.cuda or '-'}, NCCL "
+                        f"{torch.nccl_version or '-'}, imported in a subprocess in "
+                        f"{torch.elapsed_s:.1f} s")
+    elif torch.version:
+        evidence.append(f"torch {torch.version}, built with CUDA {torch.cuda or '-'} (read from "
+                        "torch/version.py; a CPU build is not imported)")
+    if not torch.installed:
+        return check(cid, code, WARN, "torch cannot be imported by this Python",
+                     why=torch.error, fix="install torch into this environment (pip install torch)",
+                     evidence=evidence)
+    if not torch.cuda_compiled:
+        return check(cid, code, SKIP, f"torch {torch.version} is a CPU-only build: no CUDA runtime "
+                     "to match against the driver", evidence=evidence)
+    too_old = [w for w in torch.runtime_warnings if any(m in w.lower() for m in _TOO_OLD_MARKERS)]
+    fix = (f"install a newer NVIDIA driver, or a torch wheel built for CUDA "
+           f"{host.cuda_driver_version if host and host.cuda_driver_version else 'your driver supports'}"
+           " or older (the cuXXX in the wheel's index URL)")
+    if too_old:
+        return check(cid, code, FAIL, f"the driver is too old for torch's CUDA {torch.cuda} runtime",
+                     why=too_old[0], fix=fix, evidence=evidence)
+    built, supported = _version(torch.cuda), _version(host.cuda_driver_version if host else None)
+    if built is None or supported is None:
+        return check(cid, code, SKIP, f"torch is built with CUDA {torch.cuda}; the driver's CUDA "
+                     "version is unknown", evidence=evidence)
+    evidence.append(f"driver {host.driver_version if host else '?'} supports CUDA up to "
+                    f"{supported[0]}.{supported[1]}")
+    if built[0] > supported[0]:
+        return check(cid, code, FAIL,
+                     f"torch is built with CUDA {torch.cuda}, the driver supports only "
+                     f"{supported[0]}.{supported[1]}: CUDA will not initialize",
+                     why="a CUDA runtime of a newer major version than the driver's refuses to "
+                     "start ('CUDA driver version is insufficient for CUDA runtime version')",
+                     fix=fix, evidence=evidence)
+    if built > supported:
+        return check(cid, code, WARN,
+                     f"torch is built with CUDA {torch.cuda}, newer than the driver's "
+                     f"{supported[0]}.{supported[1]}: it runs through minor-version compatibility",
+                     why="within one major version the runtime works on an older driver, but "
+                     "PTX JIT and features of the newer minor version fail ('the provided PTX was "
+                     "compiled with an unsupported toolchain')",
+                     fix=fix, evidence=evidence)
+    return check(cid, code, OK, f"torch {torch.version} (CUDA {torch.cuda}) fits the driver "
+                 f"(CUDA {supported[0]}.{supported[1]})", evidence=evidence)
+
+
+def visibility_of(host: HostSnapshot, env: Mapping[str, str]) -> Visibility | VisibilityError:
+    try:
+        return parse_visibility(host.gpus, env)
+    except VisibilityError as exc:
+        return exc
+
+
+def check_visible(host: HostSnapshot | None, vis: Visibility | VisibilityError | None,
+                  env: Mapping[str, str]) -> Check:
+    """CUDA_VISIBLE_DEVICES (and Slurm's variables) against the GPUs that exist."""
+    cid, code = "visible_devices", "CUDA_NO_DEVICE"
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if raw is None else repr(raw)
+    if host is None or vis is None:
+        return check(cid, code, SKIP, f"CUDA_VISIBLE_DEVICES is {shown}; no GPU to match it against")
+    if isinstance(vis, VisibilityError):
+        return check(cid, code, FAIL, vis.what, why=vis.why, fix=vis.fix,
+                     evidence=[f"host GPUs: {', '.join(g.label for g in host.gpus) or 'none'}"])
+    ids = ", ".join(f"cuda:{i} = {g.label}" for i, g in enumerate(vis.gpus))
+    if not host.gpus:
+        return check(cid, code, SKIP, "no GPU on this host")
+    stopped = [n for n in vis.notes if "stops at the first invalid entry" in n]
+    if stopped:
+        return check(cid, code, WARN, f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry: "
+                     f"{_gpu_word(len(vis.gpus))} visible", why=stopped[0],
+                     fix="remove the invalid entry or fix it (indices or UUIDs from `gpuwarden ls`)",
+                     evidence=[ids] if ids else [])
+    return check(cid, code, OK, f"{_gpu_word(len(vis.gpus))} of {len(host.gpus)} visible "
+                 f"(CUDA_VISIBLE_DEVICES {shown})", evidence=[*vis.notes, *([ids] if ids else [])])
+
+
+def _visible(vis: Visibility | VisibilityError | None) -> tuple[GPUSnapshot, ...] | None:
+    return vis.gpus if isinstance(vis, Visibility) else None
+
+
+def check_compute_mode(gpus: Sequence[GPUSnapshot] | None) -> Check:
+    """Compute mode of every visible GPU; who holds the exclusive ones (CUDA_DEVICES_BUSY)."""
+    cid, code = "compute_mode", "CUDA_DEVICES_BUSY"
+    if not gpus:
+        return check(cid, code, SKIP, "no visible GPU")
+    refused, lines = [], []
+    for g in gpus:
+        if g.compute_mode is ComputeMode.PROHIBITED:
+            refused.append(g)
+            lines.append(f"{g.label}: prohibited: no process may create a CUDA context on it")
+        elif g.compute_mode.is_exclusive and g.processes:
+            refused.append(g)
+            lines.append(f"{g.label}: {g.compute_mode.value}, held by "
+                         + "; ".join(p.describe() for p in g.processes))
+        elif g.compute_mode.is_exclusive:
+            lines.append(f"{g.label}: {g.compute_mode.value}, free now: the first process to "
+                         "create a context takes all of it")
+        else:
+            others = "; ".join(p.describe() for p in g.processes)
+            lines.append(f"{g.label}: default (shared)" + (f", in use by {others}" if others else ""))
+    if not refused:
+        return check(cid, code, OK, "every visible GPU accepts a new CUDA context", evidence=lines)
+    labels = ", ".join(g.label for g in refused)
+    return check(cid, code, FAIL if len(refused) == len(gpus) else WARN,
+                 f"{len(refused)} of {len(gpus)} visible GPUs refuse a new CUDA context ({labels})",
+                 why="a GPU in prohibited mode, or in exclusive_process mode with a process "
+                 "already on it, answers 'CUDA-capable device(s) is/are busy or unavailable'",
+                 fix="leave those GPUs out (CUDA_VISIBLE_DEVICES, or `gpuwarden select` does it); "
+                 "an admin can reset the mode with `nvidia-smi -i N -c DEFAULT`",
+                 evidence=lines)
+
+
+def check_processes(gpus: Sequence[GPUSnapshot] | None) -> Check:
+    """Foreign processes and free memory on every visible GPU (CUDA_OOM risk)."""
+    cid, code = "gpu_memory", "CUDA_OOM"
+    if not gpus:
+        return check(cid, code, SKIP, "no visible GPU")
+    busy, lines = [], []
+    for g in gpus:
+        line = (f"{g.label}: {format_bytes(g.memory_free_bytes)} free of "
+                f"{format_bytes(g.memory_total_bytes)}")
+        low = g.memory_free_bytes < LOW_FREE_FRACTION * g.memory_total_bytes
+        if g.processes:
+            line += "; in use by " + "; ".join(
+                f"{p.describe()} {format_bytes(p.used_memory_bytes)}" for p in g.processes)
+        if g.processes or low:
+            busy.append(g)
+        lines.append(line)
+    if not busy:
+        return check(cid, code, OK, f"no other process on the {_gpu_word(len(gpus))} visible",
+                     evidence=lines)
+    return check(cid, code, WARN,
+                 f"{len(busy)} of {len(gpus)} visible GPUs are in use by other processes or "
+                 f"nearly full ({', '.join(g.label for g in busy)})",
+                 why="a job placed there shares the memory with them and can hit 'CUDA out of "
+                 "memory' although it fits an empty GPU",
+                 fix="pick GPUs with room: `gpuwarden select -n N --min-free SIZE`",
+                 evidence=lines)
+
+
+def check_mig(gpus: Sequence[GPUSnapshot] | None) -> Check:
+    """MIG: a MIG-enabled GPU is used through its instances, named by MIG- UUID."""
+    cid, code = "mig", "CUDA_NO_DEVICE"
+    if not gpus:
+        return check(cid, code, SKIP, "no visible GPU")
+    parents = [g for g in gpus if g.mig_enabled and not g.is_mig_instance]
+    instances = [g for g in gpus if g.is_mig_instance]
+    if not parents:
+        what = ("MIG instances named in CUDA_VISIBLE_DEVICES: " + ", ".join(g.uuid for g in instances)
+                if instances else "MIG is off on every visible GPU")
+        return check(cid, code, OK, what)
+    evidence = [f"{g.label}: MIG on, instances: "
+                + (", ".join(f"{m.uuid} ({format_bytes(m.memory_total_bytes)})" for m in g.mig_devices)
+                   or "none configured") for g in parents]
+    empty = [g for g in parents if not g.mig_devices]
+    return check(cid, code, FAIL if empty and len(empty) == len(gpus) else WARN,
+                 f"MIG is on for {', '.join(g.label for g in parents)}: the GPU as a whole "
+                 "cannot run CUDA work",
+                 why="with MIG on, CUDA sees only MIG instances; a GPU index in "
+                 "CUDA_VISIBLE_DEVICES reaches at most one instance, and none when none is "
+                 "configured",
+                 fix="name instances by UUID in CUDA_VISIBLE_DEVICES (MIG-...), or create "
+                 "instances (`nvidia-smi mig -cgi ... -C`)", evidence=evidence)
+
+
+def check_nproc(gpus: Sequence[GPUSnapshot] | None, nproc: int | None) -> Check:
+    """Enough usable GPUs for one rank per GPU (reuses gpuwarden.select's verdicts)."""
+    cid, code = "nproc", "NCCL_DUPLICATE_GPU"
+    if nproc is None:
+        return check(cid, code, SKIP, "no --nproc given")
+    if gpus is None or not gpus:
+        return check(cid, code, SKIP, f"no visible GPU: {nproc} rank(s) would run on CPU with gloo")
+    alone = select(gpus, Constraints(count=nproc))
+    shared = select(gpus, Constraints(count=nproc, allow_shared=True))
+    evidence = [v.line() for v in shared.verdicts]
+    if alone.satisfied:
+        ids = ",".join(g.cuda_id for g in alone.selected)
+        return check(cid, code, OK, f"{nproc} rank(s) fit on GPUs of their own: {ids}",
+                     evidence=[v.line() for v in alone.verdicts])
+    if shared.satisfied:
+        ids = ",".join(g.cuda_id for g in shared.selected)
+        return check(cid, code, WARN,
+                     f"{nproc} rank(s) fit only by sharing GPUs with other processes ({ids})",
+                     why="fewer idle GPUs than ranks; the shared ones already hold other jobs' memory",
+                     fix="fewer ranks, or wait until GPUs free up (`gpuwarden select` shows them)",
+                     evidence=evidence)
+    return check(cid, code, FAIL,
+                 f"{nproc} rank(s) need {nproc} usable GPUs, {len(shared.acceptable)} of "
+                 f"{len(gpus)} visible are usable",
+                 why="more ranks than usable GPUs put two ranks on one GPU ('Duplicate GPU "
+                 "detected') or on a GPU that refuses them ('busy or unavailable')",
+                 fix=f"--nproc {len(shared.acceptable) or 1} or fewer, or free or add GPUs",
+                 evidence=evidence)
+
+
+def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, torch: TorchInfo,
+               env: Mapping[str, str], nproc: int | None) -> list[Check]:
+    vis = visibility_of(host, env) if host is not None else None
+    gpus = _visible(vis)
+    return [
+        check_driver(host, host_error, torch),
+        check_torch_build(host, torch),
+        check_cuda_runtime(host, gpus, torch),
+        check_visible(host, vis, env),
+        check_compute_mode(gpus),
+        check_processes(gpus),
+        check_mig(gpus),
+        check_nproc(gpus, nproc),
+    ]
+
+
+def check_cuda_runtime(host: HostSnapshot | None, gpus: Sequence[GPUSnapshot] | None,
+                       torch: TorchInfo) -> Check:
+    """Whether torch's CUDA runtime sees the GPUs NVML sees (in a subprocess, never here)."""
+    cid, code = "cuda_runtime", "CUDA_NO_DEVICE"
+    if not torch.installed:
+        return check(cid, code, SKIP, "torch is not installed")
+    if host is None or not host.gpus:
+        return check(cid, code, SKIP, "no GPU on this host")
+    if not torch.cuda_compiled:
+        return check(cid, code, WARN, f"torch {torch.version} is a CPU-only build: it cannot use "
+                     f"the {_gpu_word(len(host.gpus))} of this host",
+                     why="'Torch not compiled with CUDA enabled'",
+                     fix="install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+    if not host.source.startswith("nvml"):
+        return check(cid, code, SKIP, "simulated host: torch's runtime cannot see simulated GPUs",
+                     evidence=[f"runtime device count: {torch.runtime_device_count}"])
+    seen = torch.runtime_device_count or 0
+    want = len(gpus) if gpus is not None else len(host.gpus)
+    evidence = [f"cudaGetDeviceCount: {torch.runtime_device_count}", *torch.runtime_warnings]
+    if seen == 0 and want > 0:
+        return check(cid, code, FAIL, f"NVML sees {_gpu_word(want)} but torch's CUDA runtime "
+                     "sees none", why=(torch.runtime_warnings or [torch.error or "unknown"])[0],
+                     fix="see the runtime's warning above; usual causes: driver/runtime mismatch, "
+                     "a device node missing in the container (/dev/nvidia*), "
+                     "CUDA_VISIBLE_DEVICES", evidence=evidence)
+    return check(cid, code, OK, f"torch's CUDA runtime sees {_gpu_word(seen)}", evidence=evidence)

@@ -1,0 +1,316 @@
+"""Everything the doctor asks the machine, behind one injectable :class:`Probes`.
+
+The checks (``gpu_checks``, ``host_checks``, ``net_checks``) are pure functions
+over the :class:`Facts` gathered here, so tests hand in fakes for the hardware
+and the resolver and run every check offline; the real probes run concurrently
+so that the slow ones (importing torch in a subprocess, a TCP probe that may
+time out) overlap instead of adding up.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuwarden import net
+from gpuwarden.errors import GpuwardenError
+from gpuwarden.inventory.snapshot import HostSnapshot
+
+TORCH_TIMEOUT_S = 20.0
+NET_TIMEOUT_S = 3.0
+
+# Run in a fresh interpreter: the doctor's own process must never load CUDA. With
+# PYTORCH_NVML_BASED_CUDA_CHECK=1 torch's availability check goes through NVML; the
+# runtime's device count (cudaGetDeviceCount: driver init, no context on any GPU) is
+# asked explicitly because its warning is what names a too-old driver.
+_TORCH_PROBE = r"""
+import json, sys, warnings
+out = {"installed": False}
+try:
+    import torch
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(out)); sys.exit(0)
+out.update(installed=True, version=torch.__version__, file=torch.__file__,
+           cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None))
+compiled = hasattr(torch._C, "_cuda_getDeviceCount")
+out["cuda_compiled"] = compiled
+try:
+    import torch.distributed as dist
+    out["distributed"] = dist.is_available()
+    out["gloo"] = bool(dist.is_available() and dist.is_gloo_available())
+    out["nccl"] = bool(dist.is_available() and dist.is_nccl_available())
+except Exception as exc:
+    out["distributed_error"] = str(exc)
+if compiled:
+    try:
+        v = torch.cuda.nccl.version()
+        out["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as exc:
+        out["nccl_version_error"] = str(exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out["runtime_device_count"] = int(torch._C._cuda_getDeviceCount())
+        except Exception as exc:
+            out["runtime_error"] = f"{type(exc).__name__}: {exc}"
+    out["runtime_warnings"] = [str(w.message) for w in caught]
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class TorchInfo:
+    """torch as a fresh interpreter of this Python sees it."""
+
+    installed: bool
+    version: str | None = None
+    cuda: str | None = None  # torch.version.cuda: the CUDA runtime the wheel was built with
+    cuda_compiled: bool = False
+    nccl_version: str | None = None
+    runtime_device_count: int | None = None  # cudaGetDeviceCount in that interpreter
+    runtime_warnings: tuple[str, ...] = ()
+    distributed: bool = False
+    gloo: bool = False
+    nccl: bool = False
+    error: str | None = None  # import failure, timeout, crash of the probe
+    python: str = sys.executable
+    elapsed_s: float = 0.0
+    imported: bool = False  # False: read from torch/version.py only (a CPU build is not imported)
+
+
+def read_torch_build() -> TorchInfo:
+    """torch's version and CUDA build from ``torch/version.py``, without importing torch.
+
+    The file holds plain assignments (``__version__ = '2.5.1+cu121'``, ``cuda = '12.1'``);
+    it is parsed, not executed. Takes milliseconds, against 1-2 s for ``import torch``.
+    """
+    start = time.monotonic()
+    try:
+        spec = importlib.util.find_spec("torch")  # locates the package; imports nothing
+    except (ImportError, ValueError) as exc:
+        return TorchInfo(False, error=f"{type(exc).__name__}: {exc}")
+    if spec is None or not spec.submodule_search_locations:
+        return TorchInfo(False, error="No module named 'torch'")
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    values: dict[str, Any] = {}
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError) as exc:
+        return TorchInfo(False, error=f"torch is present but {path} is unreadable: {exc}")
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+            values[target.id] = value.value
+    cuda, hip = values.get("cuda"), values.get("hip")
+    return TorchInfo(True, version=values.get("__version__"), cuda=cuda,
+                     cuda_compiled=bool(cuda or hip), elapsed_s=time.monotonic() - start)
+
+
+def query_torch(timeout_s: float = TORCH_TIMEOUT_S, python: str = sys.executable, *,
+                always_import: bool = False) -> TorchInfo:
+    """torch as this Python would load it; never raises (a failure is in ``error``).
+
+    A CPU-only build is described from its version file: with no CUDA in it there is
+    nothing a subprocess could add, and skipping ``import torch`` keeps the doctor under
+    a second. A CUDA (or ROCm) build is imported in a fresh interpreter, asked for NCCL's
+    version and the runtime's device count, with a timeout.
+    """
+    if python == sys.executable and not always_import:
+        static = read_torch_build()
+        if not static.installed or not static.cuda_compiled:
+            return static
+    env = dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([python, "-c", _TORCH_PROBE], env=env, capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return TorchInfo(False, error=f"`import torch` did not finish within {timeout_s:g} s",
+                         python=python, elapsed_s=time.monotonic() - start)
+    except OSError as exc:
+        return TorchInfo(False, error=f"cannot run {python}: {exc}", python=python)
+    elapsed = time.monotonic() - start
+    try:
+        data: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return TorchInfo(False, error=f"the torch probe exited {proc.returncode}: {tail}",
+                         python=python, elapsed_s=elapsed)
+    return TorchInfo(
+        installed=bool(data.get("installed")),
+        version=data.get("version"),
+        cuda=data.get("cuda"),
+        cuda_compiled=bool(data.get("cuda_compiled")),
+        nccl_version=data.get("nccl_version"),
+        runtime_device_count=data.get("runtime_device_count"),
+        runtime_warnings=tuple(data.get("runtime_warnings", ())),
+        distributed=bool(data.get("distributed")),
+        gloo=bool(data.get("gloo")),
+        nccl=bool(data.get("nccl")),
+        error=data.get("error") or data.get("runtime_error"),
+        python=python,
+        elapsed_s=elapsed,
+        imported=bool(data.get("installed")),
+    )
+
+
+@dataclass(frozen=True)
+class ShmInfo:
+    path: str
+    total_bytes: int
+    free_bytes: int
+
+
+def read_shm(path: str = "/dev/shm") -> ShmInfo | None:
+    """Size of the shared-memory mount; None when there is none (no /dev/shm)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return ShmInfo(path, st.f_frsize * st.f_blocks, st.f_frsize * st.f_bavail)
+
+
+def read_nofile() -> tuple[int, int]:
+    """(soft, hard) RLIMIT_NOFILE; -1 for unlimited."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (-1 if soft == resource.RLIM_INFINITY else soft,
+            -1 if hard == resource.RLIM_INFINITY else hard)
+
+
+def _read_host(env: Mapping[str, str]) -> HostSnapshot:
+    from gpuwarden.inventory import read_host
+
+    return read_host(env)
+
+
+@dataclass(frozen=True)
+class Probes:
+    """The machine as the doctor sees it. Replace any field in tests."""
+
+    read_host: Callable[[Mapping[str, str]], HostSnapshot] = _read_host
+    query_torch: Callable[[], TorchInfo] = query_torch
+    resolve: Callable[[str], net.Resolution] = lambda host: net.resolve(host, timeout_s=NET_TIMEOUT_S)
+    probe_tcp: Callable[[str, int], net.ProbeResult] = (
+        lambda host, port: net.probe_tcp(host, port, timeout_s=NET_TIMEOUT_S))
+    port_is_free: Callable[[int], bool] = net.port_is_free
+    interfaces: Callable[[], dict[str, tuple[str, ...]]] = net.interface_addresses
+    source_address_for: Callable[[str], str | None] = net.source_address_for
+    read_shm: Callable[[], ShmInfo | None] = read_shm
+    read_nofile: Callable[[], tuple[int, int]] = read_nofile
+    hostname: Callable[[], str] = socket.gethostname
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked the doctor about (validated by the CLI)."""
+
+    nproc: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    nnodes: int = 1
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass(frozen=True)
+class RendezvousFacts:
+    """MASTER_ADDR/MASTER_PORT as seen from here."""
+
+    addr: str | None
+    port: int | None
+    port_error: str | None  # MASTER_PORT present but not a port number
+    resolution: net.Resolution | None
+    local: bool  # MASTER_ADDR is one of this host's addresses (rank 0 would bind here)
+    port_free: bool | None  # local only
+    probe: net.ProbeResult | None  # remote only
+    route_interface: str | None  # the interface traffic to MASTER_ADDR leaves through
+
+
+@dataclass(frozen=True)
+class Facts:
+    env: Mapping[str, str]
+    host: HostSnapshot | None
+    host_error: GpuwardenError | None
+    torch: TorchInfo
+    shm: ShmInfo | None
+    nofile: tuple[int, int]
+    hostname: str
+    hostname_resolution: net.Resolution
+    interfaces: dict[str, tuple[str, ...]]
+    rendezvous: RendezvousFacts
+
+
+def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tuple[str, ...]]]
+                ) -> RendezvousFacts:
+    env = opts.env
+    addr = opts.master_addr or env.get("MASTER_ADDR") or None
+    port, port_error = opts.master_port, None
+    if port is None and env.get("MASTER_PORT"):
+        raw = env["MASTER_PORT"]
+        if raw.strip().isdigit() and 0 < int(raw) < 65536:
+            port = int(raw)
+        else:
+            port_error = f"MASTER_PORT={raw!r} is not a port number (1-65535)"
+    if addr is None and port is None:
+        return RendezvousFacts(None, None, port_error, None, False, None, None, None)
+    resolution = probes.resolve(addr) if addr else None
+    if addr is None:
+        local = True  # torchrun's default for a single node: 127.0.0.1 / this host
+    elif resolution is None or not resolution.ok:
+        return RendezvousFacts(addr, port, port_error, resolution, False, None, None, None)
+    else:
+        mine = {a for addrs in interfaces.result().values() for a in addrs}
+        local = any(net.is_loopback(a) or a in mine for a in resolution.addresses)
+    route = None
+    if resolution is not None and resolution.ok and not local:
+        source = probes.source_address_for(resolution.addresses[0])
+        route = net.interface_of(source, interfaces.result()) if source else None
+    if port is None:
+        return RendezvousFacts(addr, None, port_error, resolution, local, None, None, route)
+    if local:
+        return RendezvousFacts(addr, port, port_error, resolution, True, probes.port_is_free(port),
+                               None, route)
+    assert addr is not None
+    return RendezvousFacts(addr, port, port_error, resolution, False, None,
+                           probes.probe_tcp(addr, port), route)
+
+
+def gather(opts: Options, probes: Probes) -> Facts:
+    """Ask every probe, concurrently; the slowest (torch's subprocess) bounds the wall time."""
+    with ThreadPoolExecutor(max_workers=6, thread_name_prefix="doctor") as pool:
+        torch_f = pool.submit(probes.query_torch)
+        host_f = pool.submit(probes.read_host, opts.env)
+        ifaces_f = pool.submit(probes.interfaces)
+        hostname = probes.hostname()
+        hostres_f = pool.submit(probes.resolve, hostname)
+        rdzv_f = pool.submit(_rendezvous, opts, probes, ifaces_f)
+        shm = probes.read_shm()
+        nofile = probes.read_nofile()
+        host: HostSnapshot | None = None
+        host_error: GpuwardenError | None = None
+        try:
+            host = host_f.result()
+        except GpuwardenError as exc:
+            host_error = exc
+        return Facts(env=opts.env, host=host, host_error=host_error, torch=torch_f.result(),
+                     shm=shm, nofile=nofile, hostname=hostname,
+                     hostname_resolution=hostres_f.result(), interfaces=ifaces_f.result(),
+                     rendezvous=rdzv_f.result())

@@ -1,0 +1,120 @@
+"""Turn a log or traceback into a failure code of failure-codes.md, its cause and fix.
+
+    >>> from gpuwarden.explain import explain_text
+    >>> diag = explain_text(log_text)
+    >>> diag.primary.code, diag.primary.why, diag.primary.fix, diag.primary.evidence
+    >>> [f.code for f in diag.others]        # the other codes seen, echoes included
+
+``explain_file`` streams a file (or ``"-"`` for stdin, gzip read transparently) in
+bounded memory; ``Explainer`` takes a log in pieces as it is produced (the launcher
+uses it on its ranks' output). What is known about each failure is data:
+``knowledge.toml`` next to this module (format: docs/explain.md).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+from gpuwarden.errors import InputUnreadableError
+from gpuwarden.explain.engine import (
+    BLOCK_BYTES,
+    NONE_CODE,
+    Diagnosis,
+    EvidenceLine,
+    Explainer,
+    Finding,
+    rank_of,
+)
+from gpuwarden.explain.knowledge import KnowledgeBase, load_knowledge
+
+__all__ = [
+    "NONE_CODE", "Diagnosis", "EvidenceLine", "Explainer", "Finding", "KnowledgeBase",
+    "explain_file", "explain_lines", "explain_stream", "explain_text", "load_knowledge",
+    "rank_of",
+]
+
+# How much of the start of an input is checked for binary data: a NUL byte there
+# means a core dump, a checkpoint or an archive, not a log (git and grep decide alike).
+_SNIFF_BYTES = 8192
+
+
+def explain_text(text: str, kb: KnowledgeBase | None = None) -> Diagnosis:
+    """Diagnose a log held in memory."""
+    ex = Explainer(kb or load_knowledge())
+    ex.feed_bytes(text.encode("utf-8", "replace"))
+    return ex.result()
+
+
+def explain_lines(lines: Iterable[str], kb: KnowledgeBase | None = None,
+                  source: str = "<lines>") -> Diagnosis:
+    """Diagnose a log given as an iterable of lines (consumed once, in bounded memory)."""
+    ex = Explainer(kb or load_knowledge(), source)
+    ex.feed_lines(lines)
+    return ex.result()
+
+
+def explain_stream(stream: BinaryIO, kb: KnowledgeBase | None = None,
+                   source: str = "<stream>") -> Diagnosis:
+    """Diagnose a binary stream of log text, read block by block.
+
+    Raises :class:`~gpuwarden.errors.InputUnreadableError` when the start of the
+    stream holds a NUL byte (binary data, not a log).
+    """
+    ex = Explainer(kb or load_knowledge(), source)
+    first = True
+    while True:
+        try:
+            data = stream.read(BLOCK_BYTES)
+        except (OSError, EOFError) as exc:  # a truncated gzip, an I/O error mid-way
+            raise InputUnreadableError(f"{source}: reading failed ({exc})",
+                                       fix="give a complete, readable log") from exc
+        if not data:
+            break
+        if first and b"\x00" in data[:_SNIFF_BYTES]:
+            raise InputUnreadableError(
+                f"{source} is binary data, not a log",
+                why="its first bytes hold NUL characters",
+                fix="give the text log (stdout/stderr of the job), not a core dump or a checkpoint",
+            )
+        first = False
+        ex.feed_bytes(data)
+    return ex.result()
+
+
+def explain_file(path: str | os.PathLike[str], kb: KnowledgeBase | None = None) -> Diagnosis:
+    """Diagnose a log file (``"-"``: stdin); a gzip-compressed file is read as such.
+
+    Raises :class:`~gpuwarden.errors.InputUnreadableError` for a missing file, a
+    directory, a file without read permission, or binary data.
+    """
+    if str(path) == "-":
+        return explain_stream(sys.stdin.buffer, kb, "<stdin>")
+    p = Path(path)
+    try:
+        raw = p.open("rb")
+    except IsADirectoryError as exc:
+        raise InputUnreadableError(f"{p} is a directory, not a log",
+                                   fix="name a log file inside it") from exc
+    except FileNotFoundError as exc:
+        raise InputUnreadableError(f"{p}: no such file", fix="check the path") from exc
+    except OSError as exc:
+        raise InputUnreadableError(f"{p}: cannot be opened ({exc.strerror or exc})",
+                                   fix="check the path and its permissions") from exc
+    with raw:
+        if raw.read(2) == b"\x1f\x8b":
+            raw.seek(0)
+            stream: BinaryIO = gzip.GzipFile(fileobj=raw)  # type: ignore[assignment]
+        else:
+            raw.seek(0)
+            stream = raw
+        try:
+            return explain_stream(stream, kb, str(p))
+        finally:
+            if isinstance(stream, gzip.GzipFile):
+                stream.close()
+

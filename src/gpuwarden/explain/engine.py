@@ -1,0 +1,406 @@
+"""The streaming matcher: bytes in, a :class:`Diagnosis` out, in bounded memory.
+
+How a log is read, and why it is fast:
+
+1. The input arrives in blocks of whole lines (a few MiB at most). A block is
+   lower-cased once and every knowledge-base *keyword* is looked for with
+   ``bytes.find``, which runs in C over the whole block; a line is only looked at
+   when it holds a keyword. Running each signature regex on every line of a
+   200 MB log would take minutes; this prefilter makes the cost that of a few
+   ``memchr``-like passes.
+2. Only the lines a keyword points at are decoded, stripped of ANSI colours, and
+   tried against the signature and detail regexes of the codes that keyword
+   belongs to.
+3. Per code, only the first few matching lines of each signature are kept (the
+   evidence window), plus a bounded set of details and ranks: memory does not
+   grow with the size of the log.
+
+Root cause over echoes: every code found has a first line (and the rank that
+printed it). A code listed in the ``echo_of`` of another code found in the
+same log is an echo (the other ranks' watchdog timeouts, "worker exited
+unexpectedly" after a worker's own error); the primary code is the earliest
+code that is not an echo.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
+from gpuwarden.explain.prefilter import PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
+
+BLOCK_BYTES = 4 << 20            # read size; a block is cut back to its last newline
+MAX_LINE_BYTES = 1 << 20         # a "line" longer than this is scanned in pieces
+EVIDENCE_PER_SIGNATURE = 3       # matching lines kept per signature
+EVIDENCE_SHOWN = 6               # lines reported per code
+DETAILS_KEPT = 8
+RANKS_KEPT = 64
+EVIDENCE_CHARS = 400             # an evidence line is cut around its match beyond this
+REPLAN_BLOCKS = 16               # re-choose the prefilter's anchors this often (logs change)
+
+NONE_CODE = "NONE"
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# Rank prefixes, tried in order on the start of a line (after ANSI colours are gone):
+# torch's own "[rank1]:" and gpuwarden launch's "[rank1]: ", torchrun --tee's
+# "[default0]:" (role + local rank), mpirun --tag-output's "[1,3]<stdout>:", and
+# srun -l's "3: ".
+_RANK_PREFIXES = (
+    re.compile(r"\[(?:rank|default|trainer)(\d+)\]:"),
+    re.compile(r"^\s*\[\d+,(\d+)\]<std(?:out|err)>:"),
+    re.compile(r"^\s*(\d{1,5}): "),
+)
+# In the message itself, NCCL/c10d say "[Rank 3]" or "[PG 1 Rank 3]".
+_RANK_IN_MESSAGE = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d+)\]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def rank_of(line: str) -> int | None:
+    """The rank a log line comes from, read from its prefix or its message."""
+    head = line[:80]
+    for pattern in _RANK_PREFIXES:
+        m = pattern.search(head)
+        if m:
+            return int(m.group(1))
+    m = _RANK_IN_MESSAGE.search(line)
+    return int(m.group(1)) if m else None
+
+
+class EvidenceLine(NamedTuple):
+    """One log line that supports a finding: ``(line_no, text)``, 1-based."""
+
+    line: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A failure code seen in a log, with what the knowledge base says about it."""
+
+    code: str
+    title: str
+    confidence: float
+    why: str
+    fix: str
+    next: str
+    evidence: list[EvidenceLine]
+    details: list[str] = field(default_factory=list)
+    first_line: int | None = None
+    first_rank: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    matches: int = 0
+    echo: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "title": self.title,
+            "confidence": self.confidence,
+            "evidence": [{"line": e.line, "text": e.text} for e in self.evidence],
+            "why": self.why,
+            "fix": self.fix,
+            "next": self.next,
+            "details": list(self.details),
+            "first_line": self.first_line,
+            "first_rank": self.first_rank,
+            "ranks": list(self.ranks),
+            "matches": self.matches,
+            "echo": self.echo,
+        }
+
+
+NONE_FINDING = Finding(
+    code=NONE_CODE,
+    title="no known failure found",
+    confidence=0.0,
+    why="no line matches a signature of the knowledge base; gpuwarden does not know this "
+        "failure and does not guess",
+    fix="read the first traceback of the log; if it is a CUDA, NCCL or rendezvous failure "
+        "gpuwarden should know, add a signature to the knowledge base (docs/explain.md)",
+    next="",
+    evidence=[],
+)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What :func:`gpuwarden.explain.explain_text` found: the root cause and the rest."""
+
+    primary: Finding
+    others: list[Finding]
+    lines_read: int
+    bytes_read: int
+    source: str = "<text>"
+
+    @property
+    def found(self) -> bool:
+        return self.primary.code != NONE_CODE
+
+    @property
+    def codes(self) -> list[str]:
+        """Every code seen, primary first."""
+        return [self.primary.code, *(f.code for f in self.others)] if self.found else []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "lines_read": self.lines_read,
+            "bytes_read": self.bytes_read,
+            "primary": self.primary.to_dict(),
+            "others": [f.to_dict() for f in self.others],
+        }
+
+
+@dataclass
+class _Hit:
+    line: int
+    text: str
+    rank: int | None
+
+
+@dataclass
+class _CodeState:
+    """What is kept about one code while the log streams by (bounded)."""
+
+    hits: list[list[_Hit]]          # per signature: first EVIDENCE_PER_SIGNATURE lines
+    counts: list[int]               # per signature: how many lines matched
+    details: dict[str, None] = field(default_factory=dict)   # ordered set
+    ranks: dict[int, None] = field(default_factory=dict)
+
+
+def _cut(text: str, start: int) -> str:
+    if len(text) <= EVIDENCE_CHARS:
+        return text
+    lo = max(0, start - 80)
+    piece = text[lo:lo + EVIDENCE_CHARS]
+    return ("…" if lo else "") + piece + "…"
+
+
+class Explainer:
+    """Feed a log in pieces (:meth:`feed_bytes`, :meth:`feed_lines`), then :meth:`result`.
+
+    The launcher uses it on ranks' output as it arrives; :func:`explain_file` feeds
+    it file blocks. Memory stays bounded whatever the log size.
+    """
+
+    def __init__(self, kb: KnowledgeBase, source: str = "<text>") -> None:
+        self._kb = kb
+        self._source = source
+        self._states = [_CodeState([[] for _ in e.signatures], [0] * len(e.signatures))
+                        for e in kb.entries]
+        # keyword -> the codes it belongs to and the contexts it proves
+        table: dict[bytes, tuple[set[int], set[str]]] = {}
+        for i, e in enumerate(kb.entries):
+            for kw in e.keywords:
+                table.setdefault(kw.encode(), (set(), set()))[0].add(i)
+        for name, words in kb.contexts.items():
+            for kw in words:
+                table.setdefault(kw.encode(), (set(), set()))[1].add(name)
+        self._needles = [(kw, tuple(sorted(codes)), frozenset(ctx))
+                         for kw, (codes, ctx) in table.items()]
+        self._contexts_seen: set[str] = set()
+        self._plan: list[tuple[bytes, tuple[int, ...]]] | None = None
+        self._blocks_since_plan = 0
+        self._lines = 0          # newlines seen so far
+        self._bytes = 0
+        self._partial = False    # the input so far ends inside a line
+        self._carry = b""
+
+    # -- input -------------------------------------------------------------------
+    def feed_bytes(self, data: bytes) -> None:
+        """Feed the next piece of the log; pieces need not end at a newline."""
+        if not data:
+            return
+        buf = self._carry + data if self._carry else data
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            if len(buf) >= MAX_LINE_BYTES:  # one enormous line: scan it in pieces
+                self._scan(buf)
+                self._carry = b""
+            else:
+                self._carry = buf
+            return
+        self._scan(buf[:cut + 1])
+        self._carry = buf[cut + 1:]
+
+    def feed_lines(self, lines: Iterable[str]) -> None:
+        """Feed text lines (with or without their trailing newline)."""
+        batch: list[str] = []
+        size = 0
+        for line in lines:
+            batch.append(line if line.endswith("\n") else line + "\n")
+            size += len(line)
+            if size >= BLOCK_BYTES:
+                self.feed_bytes("".join(batch).encode("utf-8", "replace"))
+                batch, size = [], 0
+        if batch:
+            self.feed_bytes("".join(batch).encode("utf-8", "replace"))
+
+    # -- scanning ----------------------------------------------------------------
+    def _needed(self, k: int) -> bool:
+        _, code_ids, ctx = self._needles[k]
+        return bool(code_ids) or not ctx <= self._contexts_seen
+
+    def _scan(self, block: bytes) -> None:
+        self._bytes += len(block)
+        low = block.lower()
+        needed = [k for k in range(len(self._needles)) if self._needed(k)]
+        if len(block) < PLAN_MIN_BYTES:
+            # a small piece (a short log, the launcher's live feed): choosing anchors
+            # would cost more than looking for each keyword
+            plan: list[tuple[bytes, tuple[int, ...]]] = [(self._needles[k][0], (k,)) for k in needed]
+        else:
+            if self._plan is None or self._blocks_since_plan >= REPLAN_BLOCKS:
+                anchors = plan_anchors([self._needles[k][0] for k in needed], low[:SAMPLE_BYTES])
+                self._plan = [(anchor, tuple(needed[m] for m in members))
+                              for anchor, members in anchors]
+                self._blocks_since_plan = 0
+            self._blocks_since_plan += 1
+            plan = self._plan
+        wanted: dict[int, set[int]] = {}   # line start offset -> code indices
+        contexts_before = len(self._contexts_seen)
+        for anchor, members in plan:
+            i = low.find(anchor)
+            while i >= 0:
+                start = low.rfind(b"\n", 0, i) + 1
+                end = low.find(b"\n", i)
+                line = low[start:] if end < 0 else low[start:end]
+                for k in members:
+                    needle, code_ids, ctx = self._needles[k]
+                    if needle in line:
+                        if code_ids:
+                            wanted.setdefault(start, set()).update(code_ids)
+                        self._contexts_seen |= ctx
+                if end < 0:
+                    break
+                i = low.find(anchor, end)
+        if len(self._contexts_seen) != contexts_before:
+            self._plan = None  # a context is proven: its keywords need no more looking for
+        line_no = self._lines + 1
+        pos = 0
+        for start in sorted(wanted):
+            line_no += block.count(b"\n", pos, start)
+            pos = start
+            end = block.find(b"\n", start)
+            raw = block[start:] if end < 0 else block[start:end]
+            self._match_line(raw, line_no, wanted[start])
+        newlines = block.count(b"\n")
+        self._lines += newlines
+        self._partial = not block.endswith(b"\n")
+
+    def _match_line(self, raw: bytes, line_no: int, code_ids: set[int]) -> None:
+        text = strip_ansi(raw.decode("utf-8", "replace")).rstrip("\r")
+        # tqdm redraws with \r: keep the line readable as one piece of evidence
+        text = text.replace("\r", " ⏎ ")
+        rank: int | None = None
+        rank_known = False
+        for ci in code_ids:
+            entry = self._kb.entries[ci]
+            state = self._states[ci]
+            for si, sig in enumerate(entry.signatures):
+                m = sig.pattern.search(text)
+                if not m:
+                    continue
+                if not rank_known:
+                    rank, rank_known = rank_of(text), True
+                state.counts[si] += 1
+                if len(state.hits[si]) < EVIDENCE_PER_SIGNATURE:
+                    state.hits[si].append(_Hit(line_no, _cut(text, m.start()), rank))
+                if rank is not None and len(state.ranks) < RANKS_KEPT:
+                    state.ranks[rank] = None
+            for detail in entry.details:
+                if len(state.details) >= DETAILS_KEPT:
+                    break
+                for dm in detail.pattern.finditer(text):
+                    said = detail.say.format(**{k: (v or "").strip()
+                                                for k, v in dm.groupdict().items()})
+                    if not rank_known:
+                        rank, rank_known = rank_of(text), True
+                    if rank is not None:  # several ranks say different things: name them
+                        said = f"rank {rank}: {said}"
+                    state.details[said] = None
+
+    # -- result ------------------------------------------------------------------
+    def result(self) -> Diagnosis:
+        """The diagnosis of everything fed so far (the input may continue after)."""
+        if self._carry:
+            carry, self._carry = self._carry, b""
+            self._scan(carry)
+        findings = [f for f in (self._finding(e, s) for e, s in zip(self._kb.entries,
+                                                                       self._states,
+                                                                       strict=True)) if f]
+        lines = self._lines + (1 if self._partial else 0)
+        return rank_findings(findings, lines_read=lines, bytes_read=self._bytes,
+                             source=self._source, kb=self._kb)
+
+    def _finding(self, entry: CodeEntry, state: _CodeState) -> Finding | None:
+        valid: list[int] = []
+        for si, sig in enumerate(entry.signatures):
+            if not state.counts[si]:
+                continue
+            if sig.requires is not None and sig.requires not in self._contexts_seen:
+                continue
+            valid.append(si)
+        identifying = [si for si in valid if not entry.signatures[si].supporting]
+        if not identifying:
+            return None
+        # the lines that identify the code first, then those that only support it
+        supporting = [si for si in valid if entry.signatures[si].supporting]
+        hits = (sorted((h for si in identifying for h in state.hits[si]), key=lambda h: h.line)
+                + sorted((h for si in supporting for h in state.hits[si]), key=lambda h: h.line))
+        evidence: list[EvidenceLine] = []
+        seen_lines: set[int] = set()
+        for h in hits:
+            if h.line not in seen_lines and len(evidence) < EVIDENCE_SHOWN:
+                evidence.append(EvidenceLine(h.line, h.text))
+                seen_lines.add(h.line)
+        first = min((h for si in identifying for h in state.hits[si]), key=lambda h: h.line)
+        best = max(entry.signatures[si].confidence for si in identifying)
+        # Several independent signatures agreeing make the call firmer, never certain.
+        confidence = round(min(0.99, best + 0.02 * (len(identifying) - 1)), 2)
+        return Finding(
+            code=entry.code, title=entry.title, confidence=confidence, why=entry.why,
+            fix=entry.fix, next=entry.next, evidence=evidence, details=list(state.details),
+            first_line=first.line, first_rank=first.rank, ranks=sorted(state.ranks),
+            matches=sum(state.counts[si] for si in valid),
+        )
+
+
+def _is_echo(f: Finding, found: list[Finding], kb: KnowledgeBase) -> bool:
+    echo_of = kb.entry(f.code).echo_of
+    for g in found:
+        if g.code == f.code:
+            continue
+        if g.code in echo_of:
+            return True
+        if ANY_CODE in echo_of and ANY_CODE not in kb.entry(g.code).echo_of:
+            return True
+    return False
+
+
+def rank_findings(findings: list[Finding], *, lines_read: int, bytes_read: int,
+                  source: str, kb: KnowledgeBase) -> Diagnosis:
+    """Choose the root cause among ``findings``: the earliest code that is not an echo.
+
+    A code is an echo when a code named in its ``echo_of`` was also seen (``"*"``:
+    any code that is not itself an echo of everything). If every code is an echo
+    of another (a cycle), the earliest one wins.
+    """
+    if not findings:
+        return Diagnosis(NONE_FINDING, [], lines_read, bytes_read, source)
+    echoes = {f.code for f in findings if _is_echo(f, findings, kb)}
+    pool = [f for f in findings if f.code not in echoes] or findings
+
+    def order(f: Finding) -> tuple[int, float]:
+        return (f.first_line if f.first_line is not None else 1 << 62, -f.confidence)
+
+    primary = min(pool, key=order)
+    others = sorted((f for f in findings if f is not primary), key=order)
+    others = [Finding(**{**f.__dict__, "echo": f.code in echoes}) for f in others]
+    return Diagnosis(primary, others, lines_read, bytes_read, source)

@@ -1,0 +1,47 @@
+"""Process plumbing shared by pool workers and the fork server (Linux first, POSIX fallback)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_ppid: int) -> None:
+    """Make the kernel SIGKILL this process when its parent dies (Linux prctl).
+
+    The parent may already be gone by the time this runs (we were re-parented to init or a
+    subreaper): then exit at once instead of living on as an orphan. Elsewhere the pipe EOF
+    a worker sees on its task connection is the only watchdog.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != expected_ppid:
+        os._exit(1)
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'SIGKILL(-9)', 'exit code 3', or 'unknown exit status' — the loky form for signals."""
+    if returncode is None:
+        return "unknown exit status"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"{name}({returncode})"
+    return f"exit code {returncode}"
+
+
+def status_to_returncode(status: int) -> int:
+    """A waitpid status as subprocess reports it: -signal, or the exit code."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)

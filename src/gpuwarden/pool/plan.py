@@ -1,0 +1,56 @@
+"""The pool's plan, a pure function: GPUs and workers per GPU -> one slot (and env) per worker.
+
+Slots go round-robin over the GPUs (slot 0 on the first GPU, slot 1 on the second, ...), so
+that a pool running fewer tasks than it has workers still spreads them over every GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuwarden.inventory.snapshot import GPUSnapshot
+from gpuwarden.visibility import CHILD_ORDER_ENV
+
+WORKER_ENV = "GPUWARDEN_POOL_WORKER"
+# Thread pools of numerical libraries default to one thread per core in every worker; with N
+# workers that is N x cores threads. joblib's loky backend caps them the same way.
+THREAD_LIMIT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """One worker's place in the pool: its GPU (None: a CPU worker) and its environment."""
+
+    index: int
+    gpu: GPUSnapshot | None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def device_label(self) -> str:
+        return self.gpu.label if self.gpu is not None else "CPU"
+
+
+def plan_slots(gpus: Sequence[GPUSnapshot], workers_per_gpu: int, *, cpu_workers: int,
+               parent_env: Mapping[str, str] | None = None, cpu_count: int | None = None
+               ) -> tuple[WorkerSlot, ...]:
+    """``workers_per_gpu`` slots per GPU, or ``cpu_workers`` CPU slots when ``gpus`` is empty.
+
+    Every worker gets CUDA_DEVICE_ORDER=PCI_BUS_ID and its own CUDA_VISIBLE_DEVICES (the GPU's
+    ``cuda_id``; empty for a CPU worker, so that a CPU worker never grabs a GPU by accident).
+    """
+    parent_env = os.environ if parent_env is None else parent_env
+    count = len(gpus) * workers_per_gpu if gpus else cpu_workers
+    cores = cpu_count or os.cpu_count() or 1
+    threads = str(max(1, cores // max(1, count)))
+    slots = []
+    for index in range(count):
+        gpu = gpus[index % len(gpus)] if gpus else None
+        env = dict(CHILD_ORDER_ENV)
+        env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_id if gpu is not None else ""
+        env[WORKER_ENV] = str(index)
+        for var in THREAD_LIMIT_VARS:
+            env[var] = parent_env.get(var, threads)
+        slots.append(WorkerSlot(index, gpu, env))
+    return tuple(slots)

@@ -1,0 +1,155 @@
+"""`gpuwarden doctor` end to end on this machine: real NVML (absent here), real torch
+subprocess, real sockets; the JSON output validated; exit codes; the wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwarden.cli import main
+from gpuwarden.errors import GPUWARDEN_CODES
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_processes")]
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+GPUWARDEN = Path(sys.executable).with_name("gpuwarden")
+
+# The failure vocabulary of failure-codes.md; a check may also carry one of gpuwarden's own.
+FAILURE_CODES = {
+    "CUDA_FORK_REINIT", "MAIN_GUARD_MISSING", "CUDA_DEVICES_BUSY", "CUDA_OOM", "CUDA_NO_DEVICE",
+    "CUDA_DRIVER_TOO_OLD", "CUDA_INVALID_ORDINAL", "NCCL_DUPLICATE_GPU", "NCCL_SHM",
+    "NCCL_NO_INTERFACE", "NCCL_WATCHDOG_TIMEOUT", "DATALOADER_SHM", "DATALOADER_WORKER_KILLED",
+    "RDZV_PORT_IN_USE", "RDZV_DNS", "RDZV_CONNECT_TIMEOUT", "RDZV_CONN_REFUSED",
+    "RDZV_WORKERS_MISSING",
+}
+RANK = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("GPUWARDEN_SIMULATE", "MASTER_ADDR", "MASTER_PORT",
+                             "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+    full_env.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.run([str(GPUWARDEN), "doctor", *args], capture_output=True, text=True,
+                          timeout=50, env=full_env)
+    return proc.returncode, proc.stdout, time.monotonic() - start
+
+
+def validate(doc: dict[str, Any], rc: int) -> dict[str, dict[str, Any]]:
+    """The documented schema; returns the checks by id."""
+    assert doc["schema_version"] == 1
+    assert isinstance(doc["checks"], list) and doc["checks"]
+    ids = [c["id"] for c in doc["checks"]]
+    assert len(ids) == len(set(ids))
+    for c in doc["checks"]:
+        assert set(c) == {"id", "code", "status", "what", "why", "fix", "evidence"}
+        assert c["status"] in RANK
+        assert c["code"] in FAILURE_CODES or c["code"] in GPUWARDEN_CODES, c["code"]
+        assert isinstance(c["what"], str) and c["what"]
+        assert c["why"] is None or isinstance(c["why"], str)
+        assert c["fix"] is None or isinstance(c["fix"], str)
+        assert all(isinstance(e, str) for e in c["evidence"])
+        if c["status"] in ("warn", "fail"):
+            assert c["why"] or c["fix"], f"{c['id']}: a problem without why or fix"
+    worst = max((c["status"] for c in doc["checks"]), key=RANK.__getitem__)
+    assert rc == (1 if worst == "fail" else 0)
+    assert doc["exit_code"] == rc
+    assert sum(doc["summary"].values()) == len(ids)
+    return {c["id"]: c for c in doc["checks"]}
+
+
+def test_doctor_json_on_this_machine_is_valid_and_fast() -> None:
+    rc, out, wall = run_cli("--json", "--nproc", "2")
+    checks = validate(json.loads(out), rc)
+    # No GPU and a CPU-only torch here: nothing can fail, GPU checks are skipped.
+    assert rc == 0
+    assert checks["driver"]["status"] == "warn"
+    assert checks["compute_mode"]["status"] == "skip"
+    assert checks["torch_cuda_build"]["status"] == "skip"
+    assert any("torch 2." in e for e in checks["torch_cuda_build"]["evidence"])
+    assert checks["shm_dataloader"]["status"] in ("ok", "warn", "fail")
+    assert wall < 5.0, f"doctor took {wall:.1f} s"
+
+
+def test_doctor_on_the_example_scenario() -> None:
+    rc, out, wall = run_cli("--json", env={"GPUWARDEN_SIMULATE": str(SCENARIOS / "example.json")})
+    checks = validate(json.loads(out), rc)
+    mode = checks["compute_mode"]
+    assert mode["status"] == "warn" and mode["code"] == "CUDA_DEVICES_BUSY"
+    assert "GPU 0: default (shared), in use by pid 4242 (bob, python train_llm.py)" in mode["evidence"]
+    assert "GPU 2: exclusive_process, held by pid 5151 (carol, python eval.py)" in mode["evidence"]
+    assert any(e.startswith("GPU 3: prohibited") for e in mode["evidence"])
+    assert any("pid 4242 (bob" in e for e in checks["gpu_memory"]["evidence"])
+    assert wall < 5.0
+
+
+def test_unresolvable_master_addr_fails_the_doctor_within_budget() -> None:
+    rc, out, wall = run_cli("--json", "--master-addr", "wrong.address.invalid",
+                            "--master-port", "29500")
+    checks = validate(json.loads(out), rc)
+    assert rc == 1
+    assert (checks["master_addr"]["status"], checks["master_addr"]["code"]) == ("fail", "RDZV_DNS")
+    assert wall < 5.0
+
+
+def test_text_report_lists_every_check_and_a_summary(capsys: pytest.CaptureFixture[str],
+                                                     scenario: Any) -> None:
+    scenario("example")
+    rc = main(["doctor", "--nproc", "3"])
+    out = capsys.readouterr().out
+    assert rc == 1  # 3 ranks, 2 usable GPUs
+    assert out.startswith("gpuwarden doctor ")
+    assert "[FAIL] nproc" in out and "[WARN] compute_mode" in out
+    assert "GPU 2: exclusive_process, held by pid 5151 (carol, python eval.py)" in out
+    assert "1 failed," in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("args", [["--master-port", "70000"], ["--nproc", "0"],
+                                  ["--nnodes", "x"], ["--bogus"]])
+def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", *args]) == 2
+
+
+def test_doctor_never_imports_torch_or_cuda_in_its_own_process() -> None:
+    code = ("import sys\nfrom gpuwarden.cli import main\n"
+            "rc = main(['doctor', '--json'])\n"
+            "print('TORCH' if 'torch' in sys.modules else 'CLEAN', file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.stderr.strip().splitlines()[-1] == "CLEAN"
+
+
+# --- torch's view: version file for CPU builds, a real subprocess otherwise --------------------
+
+def test_torch_probe_subprocess_agrees_with_the_version_file() -> None:
+    import torch  # the test process may import it; the doctor's own process never does
+
+    from gpuwarden.doctor.probes import query_torch, read_torch_build
+
+    static = read_torch_build()
+    probed = query_torch(always_import=True)
+    assert probed.imported and probed.installed and not static.imported
+    assert probed.version == static.version == torch.__version__
+    assert probed.cuda == static.cuda == torch.version.cuda
+    assert probed.cuda_compiled == static.cuda_compiled
+    assert probed.distributed and probed.gloo
+    assert probed.elapsed_s < 30
+
+
+def test_torch_probe_is_bounded_and_reports_a_missing_torch(tmp_path: Path) -> None:
+    from gpuwarden.doctor.probes import query_torch
+
+    slow = query_torch(timeout_s=0.05, always_import=True)
+    assert not slow.installed and slow.error and "did not finish within 0.05 s" in slow.error
+    no_torch = tmp_path / "python"  # an interpreter that cannot find torch
+    no_torch.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    no_torch.chmod(0o755)
+    missing = query_torch(python=str(no_torch))
+    assert not missing.installed and missing.error and "No module named 'torch'" in missing.error

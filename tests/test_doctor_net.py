@@ -1,0 +1,133 @@
+"""The doctor's network checks against real loopback sockets and the real resolver."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpuwarden import net
+from gpuwarden.doctor import Options, Probes, Report, Status, run_doctor
+from gpuwarden.doctor.net_checks import check_master_port
+from gpuwarden.doctor.probes import RendezvousFacts, TorchInfo
+
+pytestmark = pytest.mark.timeout(30)
+
+# The torch subprocess is not what these tests are about: keep them fast.
+NO_TORCH = TorchInfo(False, error="not probed in this test")
+
+
+def doctor(master_addr: str, master_port: int) -> Report:
+    return run_doctor(Options(master_addr=master_addr, master_port=master_port, env={}),
+                      Probes(query_torch=lambda: NO_TORCH))
+
+
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """A real TCP listener on 127.0.0.1; yields its port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port that was just free and has no listener (bound, then closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_bound_port_on_this_host_is_rdzv_port_in_use(listener: int) -> None:
+    report = doctor(master_addr="127.0.0.1", master_port=listener)
+    check = report.by_id("master_port")
+    assert (check.status, check.code) == (Status.FAIL, "RDZV_PORT_IN_USE")
+    assert str(listener) in check.what
+
+
+def test_free_port_on_this_host_is_ok(closed_port: int) -> None:
+    report = doctor(master_addr="localhost", master_port=closed_port)
+    check = report.by_id("master_port")
+    assert (check.status, check.code) == (Status.OK, "RDZV_PORT_IN_USE")
+
+
+def _remote(port: int) -> RendezvousFacts:
+    """MASTER_ADDR as another node would probe it: a real TCP connect to the port."""
+    probe = net.probe_tcp("127.0.0.1", port, timeout_s=3.0)
+    res = net.resolve("127.0.0.1")
+    return RendezvousFacts("127.0.0.1", port, None, res, False, None, probe, None)
+
+
+def test_closed_port_probed_remotely_is_connection_refused(closed_port: int) -> None:
+    start = time.monotonic()
+    check = check_master_port(_remote(closed_port))
+    assert (check.status, check.code) == (Status.WARN, "RDZV_CONN_REFUSED")
+    assert "refused" in check.evidence[0]
+    assert time.monotonic() - start < 1.0  # a refusal is immediate, no timeout spent
+
+
+def test_listening_port_probed_remotely_is_reachable(listener: int) -> None:
+    check = check_master_port(_remote(listener))
+    assert check.status is Status.OK and "accepts connections" in check.what
+
+
+def test_unresolvable_master_addr_is_rdzv_dns_within_3_s() -> None:
+    start = time.monotonic()
+    report = doctor(master_addr="wrong.address.invalid", master_port=29500)
+    elapsed = time.monotonic() - start
+    check = report.by_id("master_addr")
+    assert (check.status, check.code) == (Status.FAIL, "RDZV_DNS")
+    assert elapsed < 3.0
+
+
+def test_a_hanging_resolver_is_cut_off_at_3_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = socket.getaddrinfo
+
+    def slow(host: str, *args: object, **kwargs: object) -> object:
+        if host == "slow.example.invalid":
+            time.sleep(10)  # a resolver that never answers in time (a dead DNS server)
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    start = time.monotonic()
+    report = doctor(master_addr="slow.example.invalid", master_port=29500)
+    elapsed = time.monotonic() - start
+    check = report.by_id("master_addr")
+    assert (check.status, check.code) == (Status.FAIL, "RDZV_DNS")
+    assert "did not answer within 3 s" in (check.why or "")
+    assert elapsed < 4.5
+
+
+def test_real_interfaces_and_route_lookup() -> None:
+    ifaces = net.interface_addresses()
+    lo = net.interface_of("127.0.0.1", ifaces)
+    assert lo is not None and "127.0.0.1" in ifaces[lo]
+    assert net.source_address_for("127.0.0.1") == "127.0.0.1"
+    check = run_doctor(Options(env={"NCCL_SOCKET_IFNAME": f"={lo}", "GLOO_SOCKET_IFNAME": "nope0"}),
+                       Probes(query_torch=lambda: NO_TORCH))
+    assert check.by_id("nccl_socket_ifname").status is Status.WARN  # loopback only
+    gloo = check.by_id("gloo_socket_ifname")
+    assert (gloo.status, gloo.code) == (Status.FAIL, "NCCL_NO_INTERFACE")
+
+
+@pytest.mark.parametrize(("raw", "exclude", "exact", "names"), [
+    ("eth,ib", False, False, ("eth", "ib")),
+    ("^docker,lo", True, False, ("docker", "lo")),
+    ("=eth0", False, True, ("eth0",)),
+    ("^=eth0,eth1", True, True, ("eth0", "eth1")),
+    ("mlx5_0:1, eth0 ", False, False, ("mlx5_0", "eth0")),
+])
+def test_parse_ifname_spec(raw: str, exclude: bool, exact: bool, names: tuple[str, ...]) -> None:
+    spec = net.parse_ifname_spec(raw)
+    assert (spec.exclude, spec.exact, spec.names) == (exclude, exact, names)
+
+
+def test_ifname_matching_follows_nccl() -> None:
+    assert net.parse_ifname_spec("eth").matches("eth0")
+    assert not net.parse_ifname_spec("=eth").matches("eth0")
+    assert not net.parse_ifname_spec("^eth").matches("eth0")
+    assert net.parse_ifname_spec("^eth").matches("ib0")
+    assert not net.parse_ifname_spec("eth0", exact=True).matches("eth01")

@@ -1,0 +1,73 @@
+"""The whole explain corpus in CI: top-1 accuracy >= 95 % and no false positive.
+
+Each case of tests/explain_corpus/ is a log (``<name>.log``) with its metadata
+(``<name>.toml``: ``expected`` code, ``source`` URL of the public thread the text
+comes from, ``note``). ``expected = "NONE"`` marks an unrelated failure that must
+not be given a code. The accuracy table is printed (pytest -s, or on failure).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.explain import NONE_CODE, explain_file, load_knowledge
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CORPUS = Path(__file__).parent / "explain_corpus"
+MIN_ACCURACY = 0.95
+
+
+def _cases() -> list[tuple[str, dict[str, str]]]:
+    return [(p.stem, tomllib.loads(p.read_text(encoding="utf-8")))
+            for p in sorted(CORPUS.glob("*.toml"))]
+
+
+def test_every_case_has_a_log_an_expected_code_and_a_public_source() -> None:
+    codes = set(load_knowledge().codes) | {NONE_CODE}
+    cases = _cases()
+    assert len(cases) >= 40
+    for name, meta in cases:
+        assert (CORPUS / f"{name}.log").is_file(), name
+        assert meta["expected"] in codes, (name, meta["expected"])
+        assert meta["source"].startswith("https://"), name
+
+
+def test_corpus_covers_every_code_and_enough_unrelated_failures() -> None:
+    expected = Counter(meta["expected"] for _, meta in _cases())
+    missing = [c for c in load_knowledge().codes if expected[c] == 0]
+    assert not missing, f"codes without a corpus case: {missing}"
+    assert expected[NONE_CODE] >= 8
+
+
+def test_corpus_accuracy_and_no_false_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    rows: list[tuple[str, str, str, bool]] = []
+    for name, meta in _cases():
+        got = explain_file(CORPUS / f"{name}.log").primary.code
+        rows.append((name, meta["expected"], got, got == meta["expected"]))
+    per_code: dict[str, list[int]] = {}
+    for _, want, _, ok in rows:
+        hit_total = per_code.setdefault(want, [0, 0])
+        hit_total[0] += ok
+        hit_total[1] += 1
+    unrelated = [r for r in rows if r[1] == NONE_CODE]
+    false_positives = [r for r in unrelated if r[2] != NONE_CODE]
+    accuracy = sum(r[3] for r in rows) / len(rows)
+    with capsys.disabled():
+        print(f"\nexplain corpus: {len(rows)} cases, top-1 accuracy {accuracy:.1%}, "
+              f"false positives {len(false_positives)}/{len(unrelated)} unrelated logs")
+        print(f"  {'code':<26} {'right':>5} {'cases':>5}")
+        for code, (hit, total) in sorted(per_code.items()):
+            print(f"  {code:<26} {hit:>5} {total:>5}")
+        for name, want, got, ok in rows:
+            if not ok:
+                print(f"  MISS {name}: expected {want}, got {got}")
+    assert not false_positives, false_positives
+    assert accuracy >= MIN_ACCURACY

@@ -1,0 +1,214 @@
+"""GPUPool on a simulated 2-GPU host: pinning, crashes, exceptions, shutdown, parent death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpuwarden.errors import ConstraintError, PoolBrokenError, WorkerDiedError
+from gpuwarden.pool import CPUFallbackWarning, GPUPool
+from gpuwarden.pool._pickling import RemoteTraceback
+from tests.conftest import wait_until_gone
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def where(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
+    time.sleep(delay_s)
+    return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")
+
+
+def sleep_then(value: int, delay_s: float) -> int:
+    time.sleep(delay_s)
+    return value
+
+
+def report_pid_and_hang(path: str) -> None:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def exit_hard(code: int) -> None:
+    os._exit(code)
+
+
+class SweepFailed(Exception):
+    def __init__(self, lr: float) -> None:
+        super().__init__(f"diverged at lr={lr}")
+        self.lr = lr
+
+
+def train(lr: float) -> float:
+    if lr > 1:
+        raise SweepFailed(lr)
+    return lr
+
+
+@pytest.fixture
+def two_gpus(scenario, lease_dir):  # type: ignore[no-untyped-def]
+    scenario("two_gpu")
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_each_gpu_gets_exactly_workers_per_gpu_workers(two_gpus, no_leftover_processes,
+                                                       start_method: str) -> None:
+    with GPUPool(workers_per_gpu=2, start_method=start_method, preload=()) as pool:
+        results = list(pool.map(where, [0.3] * 8))
+        infos = pool.workers()
+    pids_by_gpu: dict[str | None, set[int]] = defaultdict(set)
+    for pid, cvd, order in results:
+        pids_by_gpu[cvd].add(pid)
+        assert order == "PCI_BUS_ID"
+    # 8 slow tasks on 4 workers: every worker ran some, two per GPU.
+    assert {cvd: len(pids) for cvd, pids in pids_by_gpu.items()} == {"0": 2, "1": 2}
+    assert sorted(i.cuda_visible_devices for i in infos) == ["0", "0", "1", "1"]
+    assert [g.index for g in pool.gpus] == [0, 1]
+
+
+def test_fewer_tasks_than_workers_spread_over_gpus(two_gpus) -> None:
+    with GPUPool(workers_per_gpu=2, preload=()) as pool:
+        futures = [pool.submit(where, 0.5) for _ in range(2)]
+        gpus = Counter(f.result()[1] for f in futures)
+    assert gpus == {"0": 1, "1": 1}
+
+
+def test_worker_killed_mid_task_fails_that_task_only(two_gpus, no_leftover_processes,
+                                                     tmp_path: Path) -> None:
+    pid_file = tmp_path / "victim.pid"
+    with GPUPool(workers_per_gpu=2, preload=()) as pool:
+        victim = pool.submit(report_pid_and_hang, str(pid_file))
+        others = [pool.submit(sleep_then, i, 0.2) for i in range(10)]
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the task never started"
+            time.sleep(0.02)
+        victim_pid = int(pid_file.read_text())
+        os.kill(victim_pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as info:
+            victim.result(timeout=20)
+        assert [f.result(timeout=30) for f in others] == list(range(10))
+        # The pool replaced the dead worker and still has all four.
+        after = pool.submit(sleep_then, 42, 0).result(timeout=20)
+        assert len(pool.workers()) == 4
+    err = info.value
+    assert f"pid {victim_pid}" in err.what and "SIGKILL(-9)" in err.what
+    assert "report_pid_and_hang" in err.what and err.gpu in ("GPU 0", "GPU 1")
+    assert err.code == "POOL_WORKER_DIED"
+    assert after == 42
+    assert wait_until_gone([victim_pid]) == []
+
+
+def test_os_exit_in_task_names_exit_code(two_gpus, no_leftover_processes) -> None:
+    with GPUPool(gpus=1, preload=(), start_method="spawn") as pool:
+        dead = pool.submit(exit_hard, 3)
+        with pytest.raises(WorkerDiedError, match=r"worker 0 \(pid \d+, GPU \d\) died with exit "
+                           r"code 3 while running task \d+ \(exit_hard\(3\)\)"):
+            dead.result(timeout=20)
+        assert pool.submit(sleep_then, 1, 0).result(timeout=20) == 1
+
+
+def test_exception_keeps_type_and_remote_traceback(two_gpus) -> None:
+    with GPUPool(gpus=[1], preload=()) as pool:
+        with pytest.raises(SweepFailed) as info:
+            pool.submit(train, 3.0).result(timeout=20)
+        assert pool.submit(train, 0.5).result(timeout=20) == 0.5
+    assert info.value.lr == 3.0
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "in train" in cause.tb and "raise SweepFailed(lr)" in cause.tb and "GPU 1" in cause.tb
+
+
+def test_lambdas_and_closures_travel_by_value(two_gpus) -> None:
+    offset = 10
+    with GPUPool(gpus=1, preload=()) as pool:
+        assert list(pool.map(lambda x: x + offset, [1, 2])) == [11, 12]
+
+
+def test_too_many_gpus_requested_lists_every_verdict(two_gpus) -> None:
+    with pytest.raises(ConstraintError) as info:
+        GPUPool(gpus=3, preload=())
+    assert len(info.value.evidence) == 2
+
+
+def test_no_gpu_runs_cpu_workers_and_says_so(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUWARDEN_SIMULATE", str(tmp_path / "none.json"))
+    (tmp_path / "none.json").write_text('{"gpus": []}')
+    monkeypatch.setattr("gpuwarden.pool.executor._warned_cpu", False)
+    with pytest.warns(CPUFallbackWarning, match="no GPU"), \
+            GPUPool(cpu_workers=2, preload=()) as pool:
+        assert {r[1] for r in pool.map(where, [0.1] * 4)} == {""}
+        assert pool.gpus == ()
+
+
+def failing_initializer() -> None:
+    raise RuntimeError("no dataset mounted")
+
+
+def test_initializer_failure_breaks_the_pool(two_gpus, no_leftover_processes) -> None:
+    pool = GPUPool(gpus=1, preload=(), initializer=failing_initializer)
+    future = pool.submit(sleep_then, 1, 0)
+    with pytest.raises(PoolBrokenError, match="failed to start") as info:
+        future.result(timeout=20)
+    assert "no dataset mounted" in str(info.value.__cause__)
+    pool.shutdown()
+
+
+def test_shutdown_kills_grandchildren(two_gpus, no_leftover_processes) -> None:
+    pool = GPUPool(gpus=1, preload=())
+    child_pid = pool.submit(spawn_sleeper).result(timeout=20)
+    assert psutil.pid_exists(child_pid)
+    pool.shutdown()
+    assert wait_until_gone([child_pid]) == []
+
+
+def spawn_sleeper() -> int:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid
+
+
+POOL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from gpuwarden.pool import GPUPool
+    pool = GPUPool(workers_per_gpu=2, preload=(), start_method=sys.argv[1])
+    list(pool.map(abs, range(8)))
+    print(" ".join(str(w.pid) for w in pool.workers()), flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_die_with_the_pools_process(two_gpus, tmp_path: Path, start_method: str) -> None:
+    script = tmp_path / "owner.py"
+    script.write_text(POOL_SCRIPT)
+    owner = subprocess.Popen([sys.executable, str(script), start_method], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert owner.stdout is not None
+        worker_pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(worker_pids) == 4
+        owner.kill()
+        owner.wait()
+        assert wait_until_gone(worker_pids, timeout_s=10) == []
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_import_gpuwarden_registers_backend_without_importing_joblib() -> None:
+    code = textwrap.dedent("""
+        import sys
+        import gpuwarden
+        assert "joblib" not in sys.modules and "torch" not in sys.modules
+        import joblib.parallel
+        assert "gpuwarden" in joblib.parallel.BACKENDS
+        assert "gpuwarden.pool.executor" not in sys.modules
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
