@@ -150,6 +150,7 @@ def test_echo_in_peer_is_not_blamed(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 1
     report = err[err.index("error["):]
     assert "rank 1 failed first: RuntimeError: CUDA out of memory" in report
+    assert report.startswith("error[CUDA_OOM]")  # the explain knowledge base names the code
 
 
 @pytest.mark.timeout(60)

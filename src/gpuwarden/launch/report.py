@@ -204,7 +204,7 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
             line += f" (failed after rank {root.rank}{echo})"
         evidence.append(line)
     if diag is not None:
-        for item in list(getattr(diag, "evidence", []) or [])[:2]:
+        for item in list(getattr(diag, "evidence", []) or [])[-1:]:
             text = item[1] if isinstance(item, tuple) else getattr(item, "text", item)
             evidence.append(f"matched in rank {root.rank}'s output: {str(text).strip()}")
     return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
