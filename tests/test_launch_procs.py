@@ -235,3 +235,55 @@ def test_spawn_returns_results_and_reports_failures() -> None:
     with pytest.raises(SpawnError) as info:
         spawn(fails_on_one, 2)
     assert "rank 1 failed first: KeyError: 'missing shard'" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_keep_waiting_reports_once_and_keeps_the_job(tmp_path: Path) -> None:
+    proc = _launcher(tmp_path, "-n", "2", "--stall-timeout", "3s", "--keep-waiting", "--grace", "1s",
+                     str(SCRIPTS / "stall.py"), "noinit")
+    assert proc.stderr is not None
+    seen = b""
+    deadline = time.monotonic() + 40
+    while b"still waiting" not in seen and time.monotonic() < deadline:
+        seen += proc.stderr.readline()
+    assert b"error[RDZV_WORKERS_MISSING]" in seen and b"(--keep-waiting: still waiting)" in seen
+    time.sleep(1.0)
+    assert proc.poll() is None  # the job was not stopped
+    proc.send_signal(signal.SIGINT)
+    _out, rest = proc.communicate(timeout=15)
+    assert proc.returncode == 128 + signal.SIGINT and b"LAUNCH_INTERRUPTED" in rest
+
+
+@pytest.mark.timeout(60)
+def test_wait_for_gpus_then_launch(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    host = tmp_path / "host.json"
+    host.write_text((SCENARIOS / "example.json").read_text())  # one usable GPU of four
+    monkeypatch.setenv("GPUWARDEN_SIMULATE", str(host))
+
+    import threading
+
+    freed = threading.Timer(1.5, lambda: host.write_text((SCENARIOS / "two_gpu.json").read_text()))
+    freed.start()
+    try:
+        start = time.monotonic()
+        code, out, err = launch(capsys, "-n", "2", "--wait", "20s", "--json", str(SCRIPTS / "env_dump.py"))
+    finally:
+        freed.cancel()
+    assert code == 0, err
+    assert time.monotonic() - start >= 1.5
+    report = json.loads(out[out.index("{\n"):])
+    assert report["schema_version"] == 1 and report["report"]["ok"] is True
+    code, out, err = launch(capsys, "-n", "3", "--wait", "1s", str(SCRIPTS / "env_dump.py"))
+    assert code == 4 and "3 rank(s) need 3 GPU(s)" in err
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_never_imports_torch() -> None:
+    code = ("import sys; from gpuwarden.cli import main; "
+            f"rc = main(['launch', '-n', '2', {str(ROOT / 'examples' / 'allreduce.py')!r}]); "
+            "bad = [m for m in ('torch', 'rich', 'joblib') if m in sys.modules]; "
+            "print('HEAVY', bad); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
