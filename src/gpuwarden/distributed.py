@@ -194,7 +194,7 @@ class SpawnError(GpuwardenError):
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
-          stall_timeout: float | str = "2m", grace: float | str = "5s", cpu: bool = False) -> list[Any]:
+          stall_timeout: float | str = "5m", grace: float | str = "5s", cpu: bool = False) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes (spawn semantics, works from a
     notebook) with gpuwarden launch's binding, supervision, report and teardown; return each
     rank's return value in rank order.

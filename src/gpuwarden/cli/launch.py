@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
         "mapped to it); with no GPU, or --cpu, ranks run on CPU (gloo). The first rank to fail "
         "stops the others (SIGTERM, SIGKILL after --grace) and one report names it, its cause "
         "and its failure code; ranks stuck in init_process_group or a collective while others "
-        "are missing are reported with their stacks after --stall-timeout. Exit code: the "
+        "are missing or elsewhere are reported with their stacks after --stall-timeout. Exit code: the "
         "failing rank's (128+N for signal N); 1 for a stall; 2 usage; 3 no GPU; 4 too few GPUs.",
     )
     p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
@@ -28,16 +28,17 @@ def add_parser(sub: Any) -> None:
                    help="run on N GPUs, one rank each, or on every usable GPU")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even if GPUs are present")
     p.add_argument("--share", action="store_true",
-                   help="allow more ranks than GPUs (ranks on one GPU then use gloo, not NCCL)")
+                   help="allow more ranks than GPUs, round-robin; NCCL refuses two ranks on one "
+                   "GPU, so gpuwarden.distributed.init() picks gloo for ranks that share one")
     p.add_argument("--bind", choices=("rank", "all"), default="rank",
                    help="rank: each rank sees only its GPU, as cuda:0 (default); all: every rank "
                    "sees the job's GPUs in rank order, as torchrun does")
     p.add_argument("--min-free", metavar="SIZE", default="0", help="minimum free memory per GPU")
     p.add_argument("--wait", metavar="DURATION", default=None,
                    help="wait up to DURATION for enough usable GPUs (e.g. 10m)")
-    p.add_argument("--stall-timeout", metavar="DURATION", default="2m",
+    p.add_argument("--stall-timeout", metavar="DURATION", default="5m",
                    help="report ranks waiting this long in init_process_group or a collective "
-                   "while others are missing (default 2m)")
+                   "while others are missing or elsewhere (default 5m; rank 0 alone preparing data while the others wait at a barrier is legitimate, so the default is not seconds)")
     p.add_argument("--keep-waiting", action="store_true",
                    help="after a stall report, keep the job running instead of stopping it")
     p.add_argument("--grace", metavar="DURATION", default="5s",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.errors import UsageError
 
-DEFAULT_STALL_TIMEOUT_S = 120.0
+DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
