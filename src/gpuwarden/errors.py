@@ -14,10 +14,13 @@ Tree (exit code in brackets)::
     │   ├── VisibilityError       CUDA_VISIBLE_DEVICES / Slurm variables unusable
     │   ├── CudaTensorArgumentError  a CUDA tensor passed to a pool task
     │   ├── InputUnreadableError  a log for `explain` is missing, a directory, or binary
-    │   └── KnowledgeBaseError    explain's knowledge.toml (or one given) is malformed
+    │   ├── KnowledgeBaseError    explain's knowledge.toml (or one given) is malformed
+    │   └── LeaseDirError         lease directory missing, unwritable or unsafe
     ├── NoGPUError [3]            NVML/driver missing where a GPU is required
     ├── NVMLError [1]             NVML present but a query failed
     ├── ConstraintError [4]       a request could not be met (selection, lease wait)
+    │   ├── LeaseUnavailableError a lease asked without waiting could not be granted now
+    │   └── LeaseTimeoutError     a lease wait ran out before the request was served
     ├── PoolError [1]             a GPU worker pool failed
     │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
@@ -40,6 +43,9 @@ GPUWARDEN_CODES = {
     "NVML_UNAVAILABLE": "no NVML library or driver: GPU state cannot be read",
     "NVML_ERROR": "NVML answered a query with an error",
     "SELECT_UNSATISFIED": "fewer usable GPUs than requested",
+    "LEASE_DIR": "the lease directory does not exist, cannot be written, or is unsafe to share",
+    "LEASE_UNAVAILABLE": "the GPUs a lease asks for are leased, reserved or refused right now",
+    "LEASE_TIMEOUT": "a lease waited its whole --wait and was not served",
     "POOL_WORKER_DIED": "a pool worker process died while running a task",
     "POOL_BROKEN": "a pool cannot run tasks: its workers cannot start, or it was shut down",
     "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
@@ -165,6 +171,35 @@ class ConstraintError(GpuwardenError):
     exit_code = EXIT_CONSTRAINT
 
 
+class LeaseDirError(UsageError):
+    """The lease directory (GPUWARDEN_LEASE_DIR or the default) cannot be used.
+
+    Usual causes: its parent does not exist, another user created it without write
+    permission for others (fix: ``chmod 1777``), it is world-writable without the sticky
+    bit (any user could delete a lock file that is in use), or it is not a directory.
+    """
+
+    code = "LEASE_DIR"
+
+
+class LeaseUnavailableError(ConstraintError):
+    """A lease requested without ``wait`` found too few GPUs free right now.
+
+    The evidence names, per GPU, what blocks it: a lease (pid, user, command, for how
+    long), an earlier request waiting in line, or NVML state (foreign process, compute
+    mode, memory).
+    """
+
+    code = "LEASE_UNAVAILABLE"
+
+
+class LeaseTimeoutError(ConstraintError):
+    """A lease waited for its whole ``wait`` duration without being served.
+
+    Same evidence as :class:`LeaseUnavailableError`, as it stood when the time ran out.
+    """
+
+    code = "LEASE_TIMEOUT"
 class CudaTensorArgumentError(UsageError):
     """A pool task's arguments hold a CUDA tensor.
 

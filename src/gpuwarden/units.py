@@ -87,8 +87,11 @@ def format_bytes(n: int | None) -> str:
 
 def format_duration(seconds: float) -> str:
     """Short duration for status lines: 42s, 3m, 2h05m."""
+    if seconds < 9.95:
+        return f"{seconds:.1f}s"
+    seconds = round(seconds)  # first, else 599.7 s would print as 9m60s
     if seconds < 60:
-        return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
+        return f"{seconds:.0f}s"
     if seconds < 3600:
         return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
     return f"{seconds // 3600:.0f}h{(seconds % 3600) // 60:02.0f}m"

@@ -60,6 +60,11 @@ def take_gpus(config: LaunchConfig) -> TakenGPUs:
     if config.share:
         want = min(want, max(usable, 1))
     constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes)
+    now = select(visible, constraints)
+    if not now.satisfied and (not config.wait_s or want > len(visible)):
+        # Refuse at once, with select's verdict on every GPU, what cannot be served now
+        # (no --wait) or ever (more GPUs than visible).
+        raise _more_ranks_than_gpus(now.error(), world, want)
     return _take_gpus(want, constraints, config, world)
 
 

@@ -1,0 +1,236 @@
+"""``gpuwarden run``: lease GPUs, run a command on them, release when it ends."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+from gpuwarden.cli._output import note
+from gpuwarden.cli.select import add_constraint_args, constraints_from_args
+from gpuwarden.errors import UsageError
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="lease GPUs, run a command on them with CUDA_VISIBLE_DEVICES set, release at its end",
+        description="Lease GPUs (atomically, crash-safe: see `gpuwarden leases`), run CMD with "
+        "CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID naming them, forward SIGINT, "
+        "SIGTERM, SIGHUP and SIGQUIT to it, and release the GPUs when it ends. Exits with CMD's "
+        "exit code (128+N when CMD was killed by signal N), 4 when the GPUs could not be leased "
+        "(in time), 2 for bad arguments, 3 when no GPU state can be read.",
+        usage="gpuwarden run [options] -- CMD [ARGS...]",
+    )
+    add_constraint_args(p, count_flags=("--gpus", "-n"))
+    p.add_argument("--slots-per-gpu", type=int, default=1, metavar="K",
+                   help="split each GPU into K slots shared by K requests (default 1: whole GPUs)")
+    p.add_argument("--slots-each", type=int, default=1, metavar="S",
+                   help="slots to take on each leased GPU (default 1; K = the whole GPU)")
+    p.add_argument("--wait", metavar="DURATION", default=None,
+                   help="wait in line this long for the GPUs, e.g. 30s, 10m, inf "
+                   "(default: do not wait, exit 4 when they are not free)")
+    p.add_argument("--label", default=None,
+                   help="what `gpuwarden leases` and waiting requests show for this lease "
+                   "(default: the command line)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="do not print the leased GPUs or the waiting status")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuwarden.lease import StatusPrinter, acquire
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("no command given", fix="gpuwarden run --gpus 1 -- python train.py")
+    constraints = constraints_from_args(args)
+    # "python train.py --lr 3e-4", the form NVML process lines take in every reason string.
+    label = args.label or " ".join([os.path.basename(cmd[0]), *cmd[1:]])[:80]
+    printer = StatusPrinter(sys.stderr)
+    with printer:
+        grant = acquire(constraints=constraints, slots_per_gpu=args.slots_per_gpu,
+                        slots_each=args.slots_each, wait=args.wait, label=label,
+                        on_wait=None if args.quiet else printer)
+    with grant:
+        if not args.quiet:
+            slots = "" if args.slots_per_gpu == 1 else \
+                f" ({args.slots_each}/{args.slots_per_gpu} slots each)"
+            waited = f" after {grant.waited_s:.1f}s in line" if grant.waited_s >= 0.1 else ""
+            note(f"gpuwarden: leased GPU {grant.visible_devices}{slots}{waited}: "
+                 f"CUDA_VISIBLE_DEVICES={grant.visible_devices}")
+        env = {**os.environ, **grant.env, "GPUWARDEN_LEASE_ID": grant.holder_id}
+        return run_child(cmd, env)
+
+
+def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` in its own process group, forward signals to the group, wait, clean up.
+
+    The group is what makes "leave no process behind" hold for a shell script's children
+    too; on a terminal it is made the foreground group, so Ctrl-C and terminal reads go to
+    the command exactly as they would without gpuwarden.
+    """
+    try:
+        child = subprocess.Popen(list(cmd), env=env, preexec_fn=_child_setup_fn())
+    except FileNotFoundError as exc:
+        raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
+                         ) from exc
+    except PermissionError as exc:
+        raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
+    pgid = child.pid
+    guard_pid, guard_fd = _start_guard(pgid)
+    try:
+        with _foreground(pgid), _forwarding(pgid):
+            while True:
+                try:
+                    returncode = child.wait()
+                    break
+                except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
+                    continue
+        _reap_group(pgid)
+    finally:
+        with contextlib.suppress(OSError):
+            os.write(guard_fd, b"done")  # the guard exits without killing anything
+        os.close(guard_fd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(guard_pid, 0)
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _start_guard(pgid: int) -> tuple[int, int]:
+    """A forked watcher that SIGKILLs the command's group if gpuwarden dies first.
+
+    PDEATHSIG reaches only the direct child; the guard covers the grandchildren (a
+    shell script's jobs) when gpuwarden itself is SIGKILLed and no cleanup code runs.
+    It learns of that death from a pipe: EOF without the "done" byte. Forking is safe
+    here: this process never initialized CUDA, and lease descriptors are closed in a
+    forked child (gpuwarden.lease._fs.forget_in_child), so the guard holds no lease.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(read_fd)
+        return pid, write_fd
+    try:  # the guard: only os calls, then os._exit
+        for sig in FORWARDED:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, signal.SIG_IGN)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)  # never keep the caller's pipes open
+        os.closerange(3, read_fd)
+        os.closerange(read_fd + 1, 65536)
+        if not os.read(read_fd, 4):
+            os.killpg(pgid, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def _child_setup_fn() -> Callable[[], None]:
+    """What the child runs before exec: its own process group, and death with gpuwarden
+    (the lease ends with gpuwarden, so must the command's use of the GPUs).
+
+    Everything is looked up here, in the parent: between fork and exec the child only
+    makes two system calls, since other threads (lease watchers) may exist at the fork.
+    """
+    prctl: Any = None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the grant still ends with gpuwarden
+        pass
+    pr_set_pdeathsig = 1
+    sigkill = int(signal.SIGKILL)
+    parent = os.getpid()
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(128 + sigkill)
+
+    return setup
+
+
+@contextlib.contextmanager
+def _forwarding(pgid: int) -> Iterator[None]:
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signum)
+
+    previous = {}
+    for sig in FORWARDED:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: no forwarding
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _foreground(pgid: int) -> Iterator[None]:
+    """Give the terminal to the command's group while it runs (what a shell does)."""
+    tty = _controlling_tty_fd()
+    if tty is None:
+        yield
+        return
+    try:
+        _set_foreground(tty, pgid)
+        yield
+    finally:
+        _set_foreground(tty, os.getpgrp())
+
+
+def _controlling_tty_fd() -> int | None:
+    try:
+        fd = sys.stdin.fileno()
+        if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+            return fd
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def _set_foreground(fd: int, pgid: int) -> None:
+    # A background group that calls tcsetpgrp gets SIGTTOU unless it ignores it.
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(fd, pgid)
+    finally:
+        signal.signal(signal.SIGTTOU, old)
+
+
+def _reap_group(pgid: int) -> None:
+    """Processes the command left in its group (daemons, background jobs) would keep
+    using GPUs the lease no longer covers: SIGTERM, then SIGKILL after a grace period."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

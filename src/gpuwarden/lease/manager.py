@@ -1,0 +1,540 @@
+"""Lease manager: pick GPUs and claim them in one atomic step; wait in line; release.
+
+Protocol (every step on a local filesystem, see docs/leases.md):
+
+1. Read the GPUs (NVML or the simulated host) outside any lock.
+2. Under the directory mutex: scan the records (live holders and waiting tickets),
+   judge every GPU by NVML state with the processes of its lease holders (and their
+   descendants) not counted as foreign, keep off GPUs an earlier waiting request holds
+   back, and take the slot locks non-blocking. Either all ``n`` GPUs get their slots,
+   or every lock taken in this attempt is let go again.
+3. Granted: a holder record (pid, user, host, command, start) is written for display.
+   Not granted and waiting: a ticket records the arrival time and the GPUs this request
+   could use; later requests keep off those GPUs, so requests are served in arrival
+   order and a 4-GPU job is not starved by a stream of 1-GPU jobs.
+4. Waiting blocks (in a thread per record, see _watch.py) on the flock of each holder
+   or ticket record that stands in our way, so a release or a death wakes us at once,
+   with no polling; plus a full attempt every :data:`REFRESH_S` for NVML changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError, UsageError
+from gpuwarden.inventory.snapshot import GPUSnapshot
+from gpuwarden.lease import _fs, _watch
+from gpuwarden.lease.records import (
+    OwnedRecord,
+    Record,
+    SlotClaim,
+    new_record_id,
+    scan,
+    this_process,
+)
+from gpuwarden.lease.status import GpuState, OnWait, WaitStatus, describe_request
+from gpuwarden.select import Constraints, judge, preference_key
+from gpuwarden.units import format_duration, parse_duration, parse_size
+from gpuwarden.visibility import CHILD_ORDER_ENV
+
+REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardless
+SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
+
+
+def slot_file_name(uuid: str, slots_per_gpu: int, slot: int) -> str:
+    # Old-style MIG ids contain '/'; nothing else in a uuid needs escaping.
+    return f"slot.{uuid.replace('/', '_')}.k{slots_per_gpu}.s{slot}.lock"
+
+
+def _slot_counts_in_use(names: Sequence[str], uuid: str) -> set[int]:
+    """Every slots_per_gpu some request has ever used on ``uuid`` (lock files stay)."""
+    prefix = f"slot.{uuid.replace('/', '_')}.k"
+    out = set()
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".lock"):
+            k_part = name[len(prefix):].split(".", 1)[0]
+            if k_part.isdigit():
+                out.add(int(k_part))
+    return out
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """A validated request. Build it with :func:`make_request` (or :func:`acquire`)."""
+
+    constraints: Constraints
+    slots_per_gpu: int = 1
+    slots_each: int = 1
+    wait_s: float | None = None
+    label: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.constraints.count
+
+    def describe(self) -> str:
+        return describe_request(self.gpus, self.constraints.min_free_bytes, self.slots_per_gpu,
+                                self.slots_each)
+
+
+def make_request(n: int | None = None, *, min_free: str | int | None = None,
+                 slots_per_gpu: int = 1, slots_each: int = 1,
+                 wait: str | float | None = None, constraints: Constraints | None = None,
+                 label: str | None = None) -> LeaseRequest:
+    """Validate the arguments of :func:`acquire`; UsageError (exit 2) names the bad one."""
+    base = constraints or Constraints()
+    count = base.count if n is None else n
+    if not isinstance(count, int) or count < 1:
+        raise UsageError(f"n={count!r}: a lease needs at least 1 GPU", fix="ask for n >= 1")
+    if not isinstance(slots_per_gpu, int) or slots_per_gpu < 1:
+        raise UsageError(f"slots_per_gpu={slots_per_gpu!r} must be 1 or more",
+                         fix="1 for a whole GPU, K to let K requests share each GPU")
+    if not isinstance(slots_each, int) or not 1 <= slots_each <= slots_per_gpu:
+        raise UsageError(f"slots_each={slots_each!r} must be between 1 and slots_per_gpu "
+                         f"({slots_per_gpu})", fix="slots_each=slots_per_gpu takes whole GPUs")
+    min_free_bytes = base.min_free_bytes
+    if min_free is not None:
+        given = min_free if isinstance(min_free, int) else parse_size(min_free, what="min_free")
+        min_free_bytes = max(min_free_bytes, given)
+    wait_s = None if wait is None else parse_duration(wait, what="wait")
+    return LeaseRequest(
+        constraints=replace(base, count=count, min_free_bytes=min_free_bytes),
+        slots_per_gpu=slots_per_gpu, slots_each=slots_each, wait_s=wait_s, label=label or "",
+    )
+
+
+class Grant:
+    """GPUs leased to this process. Release with :meth:`release` or by leaving ``with``.
+
+    ``gpus`` are in the order the child will number them (``cuda:0`` first);
+    ``visible_devices`` and ``env`` are what a child needs to see exactly them. The
+    claim belongs to the process that called :func:`acquire`: children (fork or exec)
+    never hold it, and it ends when that process ends, however it ends.
+    """
+
+    def __init__(self, gpus: tuple[GPUSnapshot, ...], claims: tuple[SlotClaim, ...],
+                 fds: list[int], record: OwnedRecord, lease_dir: Path, request: LeaseRequest,
+                 waited_s: float) -> None:
+        self.gpus = gpus
+        self.claims = claims
+        self.lease_dir = lease_dir
+        self.request = request
+        self.waited_s = waited_s
+        self.visible_devices = ",".join(g.cuda_id for g in gpus)
+        self.env: dict[str, str] = {"CUDA_VISIBLE_DEVICES": self.visible_devices,
+                                    **CHILD_ORDER_ENV}
+        self._fds = fds
+        self._record = record
+        self._owner_pid = os.getpid()
+        self._lock = threading.Lock()
+        _fs.track(self)
+
+    @property
+    def holder_id(self) -> str:
+        return self._record.record.record_id
+
+    @property
+    def held(self) -> bool:
+        return bool(self._fds) and os.getpid() == self._owner_pid
+
+    def release(self) -> None:
+        """Give the slots back. Idempotent; a no-op (beyond closing) in a forked child."""
+        with self._lock:
+            if os.getpid() != self._owner_pid:
+                self._close_in_child()
+                return
+            fds, self._fds = self._fds, []
+            # Slots first, then the record: a waiter woken by the record's removal finds
+            # the slots already free.
+            for fd in fds:
+                _fs.unlock_close(fd)
+            if fds:
+                self._record.remove()
+        _fs.untrack(self)
+
+    def _close_in_child(self) -> None:
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+        self._record._close_in_child()
+
+    def __enter__(self) -> Grant:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "released"
+        return f"<Grant {self.visible_devices!r} {state} id={self.holder_id}>"
+
+
+@dataclass
+class _Attempt:
+    granted: Grant | None = None
+    states: tuple[GpuState, ...] = ()
+    eligible: tuple[str, ...] = ()  # uuids usable if their leases went
+    watch: tuple[Path, ...] = ()  # records whose end may free what we need
+    ahead: int = 0
+
+
+@dataclass
+class _Waiter:
+    """State a request keeps between attempts."""
+
+    request: LeaseRequest
+    directory: Path
+    record_id: str = field(default_factory=new_record_id)
+    arrival_ns: int | None = None
+    ticket: OwnedRecord | None = None
+
+    def order(self) -> tuple[int, str]:
+        return (self.arrival_ns or 0, self.record_id)
+
+
+def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
+    """Pids on ``gpu`` that are lease holders of it (or this process) or their descendants."""
+    if not gpu.processes or not owners:
+        return frozenset()
+    import psutil
+
+    out = set()
+    for proc in gpu.processes:
+        if proc.pid in owners:
+            out.add(proc.pid)
+            continue
+        try:
+            if any(parent.pid in owners for parent in psutil.Process(proc.pid).parents()):
+                out.add(proc.pid)
+        except (psutil.Error, OSError):
+            pass  # gone, or in another PID namespace: judged as foreign, the safe side
+    return frozenset(out)
+
+
+def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -> _Attempt:
+    """One try under the directory mutex. All-or-nothing: never keeps a partial claim."""
+    req = waiter.request
+    directory = waiter.directory
+    with _fs.dir_mutex(directory):
+        if waiter.arrival_ns is None:
+            waiter.arrival_ns = time.monotonic_ns()
+        records, _corrupt = scan(directory)
+        names = os.listdir(directory)
+        holders = [r for r in records if r.kind == "holder"]
+        earlier = sorted((r for r in records if r.kind == "ticket"
+                          and r.record_id != waiter.record_id
+                          and (r.arrival_ns, r.record_id) < waiter.order()),
+                         key=lambda r: (r.arrival_ns, r.record_id))
+        holders_of: dict[str, list[Record]] = {}
+        for h in holders:
+            for c in h.claims:
+                holders_of.setdefault(c.uuid, []).append(h)
+        # Per GPU: the earliest request holding it back (named in the reason) and the
+        # latest one before us (watched: only its end can change our turn, so one release
+        # wakes one waiter rather than the whole line).
+        reserved_by: dict[str, Record] = {}
+        next_ahead: dict[str, Record] = {}
+        for t in earlier:
+            for uuid in t.eligible:
+                reserved_by.setdefault(uuid, t)
+                next_ahead[uuid] = t
+
+        states: dict[str, GpuState] = {}
+        eligible: list[GPUSnapshot] = []
+        me = {os.getpid(), *req.constraints.own_pids}
+        for gpu in gpus:
+            owners = me | {h.pid for h in holders_of.get(gpu.uuid, ())}
+            verdict = judge(gpu, replace(req.constraints,
+                                         own_pids=_holder_owned(gpu, owners) | frozenset(me)))
+            if verdict.accepted:
+                eligible.append(gpu)
+            else:
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
+                                            verdict.reason, "refused")
+        eligible.sort(key=preference_key)
+
+        chosen: list[tuple[GPUSnapshot, list[tuple[int, int]]]] = []
+        watch: list[Path] = []
+        for gpu in eligible:
+            if len(chosen) == req.gpus:
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True,
+                                            "free (not needed)", "free")
+                continue
+            blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, directory)
+            if blocked is not None:
+                reason, kind, blockers = blocked
+                if kind == "queued":
+                    blockers = [next_ahead[gpu.uuid]]
+                watch.extend(b.path for b in blockers if b.path)
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False, reason, kind,
+                                            tuple(b.record_id for b in blockers))
+                continue
+            taken = _take_slots(gpu, req, directory)
+            if taken is None:
+                holders_here = holders_of.get(gpu.uuid, [])
+                watch.extend(h.path for h in holders_here if h.path)
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
+                                            _leased_reason(gpu, req, holders_here), "leased",
+                                            tuple(h.record_id for h in holders_here))
+                continue
+            chosen.append((gpu, taken))
+            states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True, "free", "free")
+
+        ordered_states = tuple(states[g.uuid] for g in gpus)
+        if len(chosen) == req.gpus:
+            grant = _grant(waiter, chosen)
+            return _Attempt(granted=grant, states=ordered_states)
+        for _gpu, taken in chosen:
+            for _slot, fd in taken:
+                _fs.unlock_close(fd)
+        # Hold back GPUs from later requests only when leases alone stand in our way:
+        # a request the hardware state cannot meet keeps nothing from anyone.
+        eligible_ids = tuple(g.uuid for g in eligible) if len(eligible) >= req.gpus else ()
+        mine = {g.uuid for g in eligible}
+        ahead = sum(1 for t in earlier if mine.intersection(t.eligible))
+        if will_wait:
+            _write_ticket(waiter, eligible_ids)
+        return _Attempt(states=ordered_states, eligible=eligible_ids, watch=tuple(watch),
+                        ahead=ahead)
+
+
+def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, Record],
+                holders_of: Mapping[str, list[Record]], names: Sequence[str], directory: Path
+                ) -> tuple[str, str, list[Record]] | None:
+    """Why ``gpu`` cannot be leased to ``req`` for a reason other than its own slots."""
+    ticket = reserved_by.get(gpu.uuid)
+    if ticket is not None:
+        waited = format_duration(max(0.0, time.time() - ticket.started_at))
+        return (f"held back for an earlier request: {ticket.who()} waiting for "
+                f"{ticket.gpus_wanted} GPU(s) for {waited}", "queued", [ticket])
+    for other_k in sorted(_slot_counts_in_use(names, gpu.uuid) - {req.slots_per_gpu}):
+        if _any_slot_held(directory, gpu.uuid, other_k):
+            holders = [h for h in holders_of.get(gpu.uuid, [])
+                       if any(c.uuid == gpu.uuid and c.slots_per_gpu == other_k for c in h.claims)]
+            who = "; ".join(h.who() for h in holders) or "a process that left no record"
+            return (f"leased in {other_k} slot(s) per GPU by {who}; this request uses "
+                    f"{req.slots_per_gpu}, so it waits until the GPU has no lease",
+                    "leased", holders)
+    return None
+
+
+def _any_slot_held(directory: Path, uuid: str, slots_per_gpu: int) -> bool:
+    for slot in range(slots_per_gpu):
+        path = directory / slot_file_name(uuid, slots_per_gpu, slot)
+        if not path.exists():
+            continue
+        fd = _fs.open_lock_file(path)
+        try:
+            if not _fs.try_lock(fd):
+                return True
+        finally:
+            _fs.unlock_close(fd)
+    return False
+
+
+def _take_slots(gpu: GPUSnapshot, req: LeaseRequest, directory: Path
+                ) -> list[tuple[int, int]] | None:
+    """``slots_each`` free slots of ``gpu`` (slot number, locked fd), or None."""
+    taken: list[tuple[int, int]] = []
+    for slot in range(req.slots_per_gpu):
+        path = directory / slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
+        fd = _fs.open_lock_file(path)
+        # same_file: a lock on a file someone deleted and replaced would guard nothing.
+        if _fs.try_lock(fd) and _fs.same_file(fd, path):
+            taken.append((slot, fd))
+            if len(taken) == req.slots_each:
+                return taken
+        else:
+            _fs.unlock_close(fd)
+    for _slot, fd in taken:
+        _fs.unlock_close(fd)
+    return None
+
+
+def _leased_reason(gpu: GPUSnapshot, req: LeaseRequest, holders: Sequence[Record]) -> str:
+    now = time.time()
+    if not holders:
+        return "leased by a process that left no record (it may be starting)"
+    parts = [f"{h.who()} for {format_duration(max(0.0, now - h.started_at))}" for h in holders]
+    if req.slots_per_gpu > 1:
+        used = sum(len(c.slots) for h in holders for c in h.claims if c.uuid == gpu.uuid)
+        return f"{used}/{req.slots_per_gpu} slots leased by " + "; ".join(parts)
+    return "leased by " + "; ".join(parts)
+
+
+def _grant(waiter: _Waiter, chosen: list[tuple[GPUSnapshot, list[tuple[int, int]]]]) -> Grant:
+    req = waiter.request
+    # CUDA order for the child: PCI order, as CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them.
+    chosen = sorted(chosen, key=lambda item: (item[0].index, item[0].uuid))
+    claims = tuple(SlotClaim(uuid=g.uuid, index=g.index, slots_per_gpu=req.slots_per_gpu,
+                             slots=tuple(s for s, _fd in taken)) for g, taken in chosen)
+    fds = [fd for _g, taken in chosen for _s, fd in taken]
+    try:
+        record = OwnedRecord(waiter.directory, this_process(
+            "holder", waiter.record_id, req.label, claims=claims))
+    except BaseException:
+        for fd in fds:
+            _fs.unlock_close(fd)
+        raise
+    waited = 0.0
+    if waiter.arrival_ns is not None:
+        waited = (time.monotonic_ns() - waiter.arrival_ns) / 1e9
+    if waiter.ticket is not None:
+        waiter.ticket.remove()
+        waiter.ticket = None
+    return Grant(tuple(g for g, _t in chosen), claims, fds, record, waiter.directory, req, waited)
+
+
+def _write_ticket(waiter: _Waiter, eligible: tuple[str, ...]) -> None:
+    req = waiter.request
+    if waiter.ticket is not None and waiter.ticket.record.eligible == eligible:
+        return
+    record = this_process(
+        "ticket", waiter.record_id, req.label, arrival_ns=waiter.arrival_ns or 0,
+        gpus_wanted=req.gpus, slots_per_gpu=req.slots_per_gpu, slots_each=req.slots_each,
+        eligible=eligible)
+    if waiter.ticket is None:
+        waiter.ticket = OwnedRecord(waiter.directory, record)
+    else:
+        # Keep the first start time: `gpuwarden leases` shows how long it has waited.
+        waiter.ticket.write(replace(record, started_at=waiter.ticket.record.started_at))
+
+
+def _read_gpus(env: Mapping[str, str] | None) -> tuple[GPUSnapshot, ...]:
+    from gpuwarden.inventory import read_visible
+
+    _host, gpus = read_visible(env)
+    return gpus
+
+
+def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_per_gpu: int = 1,
+            slots_each: int = 1, wait: str | float | None = None,
+            constraints: Constraints | None = None, label: str | None = None,
+            on_wait: OnWait | None = None, lease_dir: str | Path | None = None,
+            env: Mapping[str, str] | None = None) -> Grant:
+    """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each) and return the Grant.
+
+    ``wait``: None or 0 tries once; a duration ("10m", seconds, ``math.inf``) waits in
+    line that long. ``constraints`` are select.py's (memory, utilization, include/exclude,
+    allow_shared); ``n`` and ``min_free`` override its count and raise its minimum.
+    ``on_wait(WaitStatus)`` is called after every attempt that could not be served.
+
+    Raises:
+        LeaseUnavailableError (exit 4): not served at once and no ``wait`` given, or the
+            request can never be met (more GPUs than are visible).
+        LeaseTimeoutError (exit 4): ``wait`` ran out; the evidence names what blocked each GPU.
+        LeaseDirError (exit 2): the lease directory is missing its parent, not writable
+            for this user, or world-writable without the sticky bit.
+        UsageError (exit 2): a bad argument; NoGPUError (exit 3): GPU state cannot be read.
+    """
+    req = make_request(n, min_free=min_free, slots_per_gpu=slots_per_gpu,
+                       slots_each=slots_each, wait=wait, constraints=constraints, label=label)
+    directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
+        dict(env) if env is not None else None))
+    waiter = _Waiter(req, directory)
+    try:
+        return _acquire(waiter, env, on_wait)
+    finally:
+        if waiter.ticket is not None:
+            waiter.ticket.remove()
+
+
+def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None) -> Grant:
+    req = waiter.request
+    start = time.monotonic()
+    wait_s = req.wait_s or 0.0
+    gpus = _read_gpus(env)
+    if len(gpus) < req.gpus:
+        raise LeaseUnavailableError(
+            f"{req.describe()} requested, but only {len(gpus)} GPU(s) are visible",
+            why="waiting cannot help: the request can never be met on this host",
+            fix="ask for fewer GPUs, or check CUDA_VISIBLE_DEVICES / the Slurm allocation",
+            evidence=[f"visible: {g.label} {g.uuid}" for g in gpus]
+            or ["no GPU is visible to this process"])
+    read_at = time.monotonic()
+    settle: list[float] = []
+    woken = threading.Event()
+    while True:
+        will_wait = time.monotonic() - start < wait_s
+        attempt = _attempt_mapped(waiter, gpus, will_wait=will_wait)
+        if attempt.granted is not None:
+            return attempt.granted
+        waited = time.monotonic() - start
+        status = WaitStatus(request=req.describe(), waited_s=waited, gpus=attempt.states,
+                            ahead=attempt.ahead,
+                            deadline_s=None if math.isinf(wait_s) else wait_s - waited)
+        if not will_wait:
+            raise _not_served(req, status, wait_s)
+        if on_wait is not None:
+            on_wait(status)
+        # Sleep until a change: a blocking holder or ticket ending (the watch threads see
+        # it the moment the kernel drops its lock), a settle retry, the periodic
+        # refresh, or the deadline.
+        wake_at = min(time.monotonic() + REFRESH_S, start + wait_s, *(settle[:1] or [math.inf]))
+        settle = settle[1:]
+        woken.clear()
+        _watch.watch(attempt.watch, woken)
+        changed = woken.wait(max(0.0, wake_at - time.monotonic()))
+        _watch.unwatch(woken)
+        if changed:
+            base = time.monotonic()
+            settle = [base + s for s in SETTLE_S]
+        # A holder that ended may leave NVML's process list a moment later: re-read then.
+        if changed or time.monotonic() - read_at >= REFRESH_S:
+            gpus, read_at = _read_gpus(env), time.monotonic()
+
+
+def _attempt_mapped(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool
+                    ) -> _Attempt:
+    try:
+        return _attempt(waiter, gpus, will_wait=will_wait)
+    except OSError as exc:
+        # The directory passed prepare_dir; this is a full disk, a read-only remount, a
+        # lock file another user made unreadable, or a filesystem without flock.
+        raise LeaseDirError(
+            f"lease directory {str(waiter.directory)!r} cannot be used: "
+            f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+            fix=f"check the directory and its files, or set {_fs.LEASE_DIR_ENV} to a local "
+            "directory",
+        ) from exc
+
+
+def _not_served(req: LeaseRequest, status: WaitStatus, wait_s: float) -> Exception:
+    evidence = [g.line() for g in status.gpus]
+    if wait_s > 0:
+        return LeaseTimeoutError(
+            f"waited {format_duration(status.waited_s)} for {req.describe()} and was not served",
+            why=status.blockers(),
+            fix="wait longer (--wait), ask for fewer GPUs or slots, or see who holds them "
+            "with `gpuwarden leases`",
+            evidence=evidence)
+    return LeaseUnavailableError(
+        f"{req.describe()} cannot be leased now",
+        why=status.blockers(),
+        fix="wait in line for them (gpuwarden run --wait 10m, or lease(..., wait='10m')), "
+        "ask for fewer GPUs or slots, or see who holds them with `gpuwarden leases`",
+        evidence=evidence)
+
+
+@contextlib.contextmanager
+def lease(n: int | None = None, **kwargs: Any) -> Iterator[Grant]:
+    """``with lease(2, min_free="20GiB", wait="10m") as grant:`` — :func:`acquire`, released
+    on leaving the block (also on an exception)."""
+    grant = acquire(n, **kwargs)
+    try:
+        yield grant
+    finally:
+        grant.release()

@@ -1,0 +1,136 @@
+"""`gpuwarden run` and `gpuwarden leases` through main() and as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpuwarden.cli import main
+from gpuwarden.lease import lease, list_leases
+from tests.conftest import wait_until_gone
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+PY = sys.executable
+
+
+def _gpuwarden(*args: str, **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+    return subprocess.Popen([PY, "-c", "from gpuwarden.cli import console_main; console_main()", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_run_gives_the_child_its_gpus_and_passes_its_exit_code(scenario, lease_dir, tmp_path,
+                                                              capfd):
+    scenario("two_idle")
+    out = tmp_path / "env.json"
+    code = ("import json, os, sys; json.dump({k: os.environ.get(k) for k in "
+            "('CUDA_VISIBLE_DEVICES', 'CUDA_DEVICE_ORDER', 'GPUWARDEN_LEASE_ID')}, "
+            f"open({str(out)!r}, 'w')); sys.exit(7)")
+    assert main(["run", "--gpus", "2", "--", PY, "-c", code]) == 7
+    env = json.loads(out.read_text())
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["GPUWARDEN_LEASE_ID"]
+    assert "leased GPU 0,1" in capfd.readouterr().err
+    assert list_leases().holders == ()  # released
+
+
+def test_run_reports_a_signalled_child_as_128_plus_signal(scenario, lease_dir):
+    scenario("two_idle")
+    assert main(["run", "-q", "--", "sh", "-c", "kill -TERM $$"]) == 128 + signal.SIGTERM
+    assert main(["run", "-q", "--", "sh", "-c", "kill -KILL $$"]) == 128 + signal.SIGKILL
+
+
+def test_run_without_a_command_or_with_a_missing_one_is_a_usage_error(scenario, lease_dir):
+    scenario("two_idle")
+    assert main(["run", "--gpus", "1"]) == 2
+    assert main(["run", "--", "/no/such/program"]) == 2
+    assert list_leases().holders == ()
+
+
+def test_run_exits_4_with_the_blocking_lease_when_the_wait_times_out(scenario, lease_dir, capfd):
+    scenario("two_idle")
+    with lease(2, label="train.py"):
+        started = time.monotonic()
+        assert main(["run", "--wait", "0.3", "--", "true"]) == 4
+        assert time.monotonic() - started < 5
+    err = capfd.readouterr().err
+    assert "error[LEASE_TIMEOUT]" in err
+    assert "GPU0 leased by pid" in err and "(root" in err or "train.py" in err
+    # Piped stderr: plain status lines, not a live display.
+    assert "gpuwarden: waiting for 1 GPU (0 of 2 free now): GPU0 leased by pid" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_run_forwards_signals_and_leaves_no_process_behind(scenario, lease_dir, tmp_path, sig):
+    scenario("two_idle")
+    pids = tmp_path / "pids"
+    # A shell that starts a background grandchild, then waits: both must go.
+    script = f"sleep 60 & echo $$ $! > {pids}; wait"
+    proc = _gpuwarden("run", "--", "sh", "-c", script)
+    deadline = time.monotonic() + 20
+    while not (pids.exists() and pids.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    shell, grandchild = (int(x) for x in pids.read_text().split())
+    assert len(list_leases().holders) == 1
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + sig, err  # sh dies of the forwarded signal
+    assert wait_until_gone([shell, grandchild]) == []
+    assert list_leases().holders == ()
+
+
+@pytest.mark.timeout(60)
+def test_run_leaves_no_background_leftover_after_the_command_exits(scenario, lease_dir, tmp_path):
+    scenario("two_idle")
+    pids = tmp_path / "pids"
+    assert main(["run", "-q", "--", "sh", "-c", f"sleep 60 & echo $! > {pids}; exit 3"]) == 3
+    assert wait_until_gone([int(pids.read_text())]) == []
+
+
+@pytest.mark.timeout(60)
+def test_killing_gpuwarden_run_kills_the_command_and_frees_the_gpu(scenario, lease_dir, tmp_path):
+    scenario("two_idle")
+    pids = tmp_path / "pids"
+    proc = _gpuwarden("run", "--gpus", "2", "--", "sh", "-c", f"echo $$ > {pids}; sleep 60")
+    deadline = time.monotonic() + 20
+    while not (pids.exists() and pids.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no cleanup code runs in gpuwarden
+    proc.communicate(timeout=10)
+    assert wait_until_gone([int(pids.read_text())]) == []
+    with lease(2, wait=5) as grant:
+        assert grant.visible_devices == "0,1"
+
+
+def test_leases_lists_holders_and_waiting_requests_as_json(scenario, lease_dir, capsys):
+    scenario("two_idle")
+    with lease(1, label="train.py"):
+        assert main(["leases", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["schema_version"] == 1
+        [holder] = data["holders"]
+        assert holder["pid"] == os.getpid() and holder["label"] == "train.py"
+        assert holder["user"] == psutil.Process().username()
+        assert holder["claims"][0]["index"] == 0
+        assert data["waiting"] == []
+        assert main(["leases"]) == 0
+        table = capsys.readouterr().out
+        assert "train.py" in table and str(os.getpid()) in table
+
+
+def test_leases_on_a_host_without_a_lease_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(tmp_path / "none"))
+    assert main(["leases", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["holders"] == []
+    assert not Path(tmp_path / "none").exists()
