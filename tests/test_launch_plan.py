@@ -25,6 +25,17 @@ from gpuwarden.nodelist import expand_nodelist, first_host
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "env_dump.py")
 
 
+@pytest.fixture(autouse=True)
+def _private_leases(lease_dir: Path) -> None:
+    """take_gpus leases through gpuwarden.lease: never in the host's lease directory."""
+
+
+def taken_gpus(config: LaunchConfig):  # type: ignore[no-untyped-def]
+    taken = take_gpus(config)
+    taken.release()  # the plan only needs the snapshots
+    return taken.gpus
+
+
 def cfg(**kw) -> LaunchConfig:  # type: ignore[no-untyped-def]
     return LaunchConfig(target=kw.pop("target", SCRIPT), **kw)
 
@@ -60,13 +71,13 @@ def test_plan_keeps_users_thread_count_and_hides_gpus_with_cpu_flag() -> None:
 
 def test_simulated_two_gpu_host_gives_each_rank_its_own_gpu(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("two_gpu")
-    taken = take_gpus(cfg(nproc=2))
-    plan = plan_for(cfg(nproc=2), taken.gpus)
+    gpus = taken_gpus(cfg(nproc=2))
+    plan = plan_for(cfg(nproc=2), gpus)
     cvd = [r.env["CUDA_VISIBLE_DEVICES"] for r in plan.ranks]
     assert sorted(cvd) == ["0", "1"]
     assert all(r.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for r in plan.ranks)
     assert [r.env["LOCAL_RANK"] for r in plan.ranks] == ["0", "1"]  # torchrun's meaning kept
-    bind_all = plan_for(cfg(nproc=2, bind="all"), taken.gpus)
+    bind_all = plan_for(cfg(nproc=2, bind="all"), gpus)
     assert {r.env["CUDA_VISIBLE_DEVICES"] for r in bind_all.ranks} == {",".join(cvd)}
 
 
@@ -89,7 +100,7 @@ def test_more_ranks_than_usable_gpus_is_refused_with_a_reason_per_gpu(scenario) 
 def test_share_puts_ranks_on_one_gpu_and_says_so(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("two_gpu")
     config = cfg(nproc=3, share=True)
-    plan = plan_for(config, take_gpus(config).gpus)
+    plan = plan_for(config, taken_gpus(config))
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in plan.ranks] == ["0", "1", "0"]
     assert plan.ranks[0].shares_gpu_with == (2,) and plan.ranks[1].shares_gpu_with == ()
     assert plan.ranks[2].env["GPUWARDEN_SHARED_GPU"] == "1"
@@ -98,13 +109,12 @@ def test_share_puts_ranks_on_one_gpu_and_says_so(scenario) -> None:  # type: ign
 
 def test_gpus_all_takes_every_usable_gpu(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("example")
-    taken = take_gpus(cfg(gpus="all"))
-    assert [g.index for g in taken.gpus] == [1]
+    assert [g.index for g in taken_gpus(cfg(gpus="all"))] == [1]
 
 
 def test_no_gpu_host_runs_on_cpu_unless_gpus_were_required(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("nogpu")
-    assert take_gpus(cfg(nproc=2)).gpus == ()
+    assert taken_gpus(cfg(nproc=2)) == ()
     _host, visible = read_visible()
     assert visible == ()
 

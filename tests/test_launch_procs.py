@@ -22,6 +22,7 @@ import pytest
 
 from gpuwarden.cli import main
 from gpuwarden.distributed import SpawnError, spawn
+from gpuwarden.lease import list_leases
 from tests.conftest import SCENARIOS, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 @pytest.fixture(autouse=True)
-def _cpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+def _cpu_host(monkeypatch: pytest.MonkeyPatch, lease_dir: Path) -> None:
     # The same host picture on every machine: no GPU (a real one would change the binding).
     monkeypatch.setenv("GPUWARDEN_SIMULATE", str(SCENARIOS / "nogpu.json"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -110,6 +111,11 @@ def test_simulated_two_gpu_host_binds_one_gpu_per_rank(capsys: pytest.CaptureFix
     seen = sorted(json.loads(line.split("ENV ", 1)[1])["CUDA_VISIBLE_DEVICES"]
                   for line in out.splitlines() if "ENV " in line)
     assert seen == ["0", "1"]
+    # the launcher (not a rank) holds the lease on both GPUs while the ranks run, then drops it
+    code, out, err = launch(capsys, "-n", "2", str(SCRIPTS / "lease_check.py"))
+    assert code == 0, err
+    assert f"[rank0]: LEASE {os.getpid()} 0,1" in out
+    assert not list_leases().holders
     code, out, err = launch(capsys, "-n", "3", str(SCRIPTS / "env_dump.py"))
     assert code == 4 and "[rank" not in out + err  # refused before any rank started
     assert "3 rank(s) need 3 GPU(s)" in err and "GPU 0: ok" in err and "GPU 1: ok" in err

@@ -7,7 +7,6 @@ that waits for its timeout.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
+from gpuwarden.select import Constraints
 
 
 @dataclass
@@ -35,14 +35,14 @@ def take_gpus(config: LaunchConfig) -> TakenGPUs:
     """The GPUs for ``config``, leased when the lease manager is installed.
 
     CPU when ``--cpu``, or when the host has no GPU (no NVML, or none visible) and ``--gpus``
-    was not given. Raises NoGPUError (exit 3) when ``--gpus`` asks for GPUs a host without NVML
+    was not given. The GPUs are leased (gpuwarden.lease) until :meth:`TakenGPUs.release`. Raises NoGPUError (exit 3) when ``--gpus`` asks for GPUs a host without NVML
     cannot give; ConstraintError (exit 4) with every GPU's verdict when fewer are usable than
     ranks (unless ``--share``), or when ``--wait`` ran out.
     """
     if config.cpu:
         return TakenGPUs((), ("--cpu: ranks run on CPU (gloo)",))
     from gpuwarden.inventory import read_visible
-    from gpuwarden.select import Constraints, select
+    from gpuwarden.select import select
 
     try:
         _host, visible = read_visible()
@@ -68,39 +68,18 @@ def take_gpus(config: LaunchConfig) -> TakenGPUs:
     return _take_gpus(want, constraints, config, world)
 
 
-def _take_gpus(count: int, constraints: object, config: LaunchConfig, world: int) -> TakenGPUs:
-    """The one seam to the lease manager (gpuwarden.lease), with plain selection as fallback."""
-    from gpuwarden.select import Constraints
+def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world: int) -> TakenGPUs:
+    """Lease the GPUs (gpuwarden.lease): the pick and the claim are one atomic step between
+    jobs on this host, and ``--wait`` waits in line. The grant is held by this (supervising)
+    process; ranks never inherit its lock files (they are started with ``close_fds``)."""
+    from gpuwarden.lease import acquire
 
-    assert isinstance(constraints, Constraints)
     try:
-        from gpuwarden.lease import acquire  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        acquire = None
-    if acquire is not None:
-        try:
-            grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
-                            constraints=constraints, label=f"gpuwarden launch {config.target}")
-        except ConstraintError as exc:
-            raise _more_ranks_than_gpus(exc, world, count) from exc
-        return TakenGPUs(tuple(grant.gpus), (), grant.release)
-    return TakenGPUs(_select_waiting(constraints, config.wait_s, world))
-
-
-def _select_waiting(constraints: object, wait_s: float | None, world: int) -> tuple[GPUSnapshot, ...]:
-    from gpuwarden.inventory import read_visible
-    from gpuwarden.select import Constraints, select
-
-    assert isinstance(constraints, Constraints)
-    deadline = time.monotonic() + (wait_s or 0.0)
-    while True:
-        _host, visible = read_visible()
-        selection = select(visible, constraints)
-        if selection.satisfied:
-            return selection.selected
-        if time.monotonic() >= deadline:
-            raise _more_ranks_than_gpus(selection.error(), world, constraints.count)
-        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+        grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
+                        constraints=constraints, label=f"gpuwarden launch {config.target}")
+    except ConstraintError as exc:
+        raise _more_ranks_than_gpus(exc, world, count) from exc
+    return TakenGPUs(tuple(grant.gpus), (), grant.release)
 
 
 def _more_ranks_than_gpus(exc: ConstraintError, world: int, count: int) -> ConstraintError:
