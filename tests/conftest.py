@@ -27,6 +27,14 @@ def _real_gpu_present() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # No test (nor a process a test starts) may touch the host's real lease directory:
+    # a developer's running jobs would block tests, and tests would block the jobs.
+    import tempfile
+
+    os.environ["GPUWARDEN_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpuwarden-test-leases-")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("gpu" in item.keywords for item in items) and not _real_gpu_present():
         skip = pytest.mark.skip(reason="needs a real NVIDIA GPU (NVML reports none here)")
