@@ -67,11 +67,15 @@ def test_torchrun_script_all_reduce_on_2_and_4_ranks(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.timeout(120)
-def test_init_script_and_ddp_example(capsys: pytest.CaptureFixture[str]) -> None:
+def test_init_script_and_ddp_example(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNCLOSED_LOG_DIR", str(tmp_path))
     code, out, err = launch(capsys, "-n", "2", str(SCRIPTS / "init_allreduce.py"))
     assert code == 0, err
     assert "[rank1]: rank 1/2 local 1 cpu gloo launcher=gpuwarden sum=3" in out
     assert "[rank0]: atexit handler ran" in out and "[rank1]: atexit handler ran" in out
+    for rank in (0, 1):  # files the script never closed are flushed despite the fast exit
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "written without close\n"
     code, out, err = launch(capsys, "-n", "2", str(ROOT / "examples" / "train_ddp.py"))
     assert code == 0, err
     assert "[rank0]: rank 0/2 on cpu: step 59" in out and "[rank1]: rank 1/2 on cpu: step 59" in out
