@@ -21,9 +21,11 @@ Tree (exit code in brackets)::
     ├── ConstraintError [4]       a request could not be met (selection, lease wait)
     │   ├── LeaseUnavailableError a lease asked without waiting could not be granted now
     │   └── LeaseTimeoutError     a lease wait ran out before the request was served
-    └── PoolError [1]             a GPU worker pool failed
-        ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
-        └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
+    ├── PoolError [1]             a GPU worker pool failed
+    │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
+    │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
+    └── LaunchError [1]           a launch cannot start (preflight), or a job failed
+        └── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
 
 Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
 with ``raise ... from``, so the original is kept as ``__cause__``.
@@ -51,6 +53,10 @@ GPUWARDEN_CODES = {
     "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
     "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
     "KB_INVALID": "the explain knowledge base (knowledge.toml) is malformed",
+    "RANK_FAILED": "a rank failed in a way no failure code describes (its exception or exit is shown)",
+    "RANK_STALL": "ranks waited in init_process_group or a collective longer than --stall-timeout "
+    "while other ranks were missing, dead or elsewhere",
+    "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
 }
 
 EXIT_OK = 0
@@ -256,3 +262,17 @@ class KnowledgeBaseError(UsageError):
     """
 
     code = "KB_INVALID"
+class LaunchError(GpuwardenError):
+    """A launch cannot start, or a job it ran failed (the report says which rank and why)."""
+
+    code = "RANK_FAILED"
+
+
+class PortInUseError(LaunchError):
+    """The MASTER_PORT given explicitly is already bound on this host.
+
+    Usual causes: another job (or a stale rank of an earlier run) holds it; two launches given the
+    same --master-port. gpuwarden picks a free port when none is given.
+    """
+
+    code = "RDZV_PORT_IN_USE"

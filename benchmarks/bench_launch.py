@@ -1,0 +1,113 @@
+"""gpuwarden launch vs torchrun --standalone, side by side in one run (not a test).
+
+    python benchmarks/bench_launch.py [--pairs 5] [--cap 30]
+
+1. launcher alone: 2 ranks of a script that does not import torch;
+2. launch → finish of a 2-rank gloo all_reduce (examples/allreduce.py);
+3. rank crash → launcher exit (rank 1 raises after init; rank 0 sleeps);
+4. one of 2 ranks never joins: time to a diagnosis (gpuwarden --stall-timeout 5s) vs torchrun,
+   which is capped at --cap seconds (on its own it waits for gloo's 30-minute timeout).
+
+Runs alternate (gpuwarden, torchrun) so both see the same machine load; medians are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+HERE = Path(__file__).parent / "scripts"
+
+
+def gpuwarden(script: Path, *extra: str) -> list[str]:
+    return [str(BIN / "gpuwarden"), "launch", "-n", "2", *extra, str(script)]
+
+
+def torchrun(script: Path) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script)]
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, cap_s: float | None = None
+          ) -> tuple[float, int | None, float]:
+    """Wall seconds, exit code (None when capped), and the wall clock at exit."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        code: int | None = proc.wait(timeout=cap_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        code = None
+    return time.monotonic() - start, code, time.time()
+
+
+def pairs(name: str, a: list[str], b: list[str], n: int, since_mark: bool = False) -> tuple[float, float]:
+    ours, theirs = [], []
+    for _ in range(n):
+        for cmd, out in ((a, ours), (b, theirs)):
+            with tempfile.TemporaryDirectory() as tmp:
+                mark = os.path.join(tmp, "mark")
+                env = {**os.environ, "BENCH_MARK_FILE": mark}
+                wall, code, ended = timed(cmd, env)
+                if since_mark:
+                    with open(mark) as f:
+                        wall = ended - float(f.read())
+                out.append(wall)
+    mo, mt = statistics.median(ours), statistics.median(theirs)
+    print(f"| {name} | {mo:.2f} s | {mt:.2f} s | {mo / mt:.2f}x |", flush=True)
+    return mo, mt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--cap", type=float, default=30.0)
+    args = ap.parse_args()
+    os.environ.setdefault("GPUWARDEN_SIMULATE", "")
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)  # warm the page cache
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    torch_import = time.monotonic() - t0
+    print(f"medians of {args.pairs} alternating pairs; `python -c 'import torch'` takes "
+          f"{torch_import:.2f} s here\n")
+    print("| scenario (2 ranks, CPU, gloo) | gpuwarden launch | torchrun --standalone | ratio |")
+    print("|---|---|---|---|")
+    pairs("launcher alone (script without torch)", gpuwarden(HERE / "hello.py"),
+          torchrun(HERE / "hello.py"), args.pairs)
+    pairs("launch → finish, all_reduce", gpuwarden(ROOT / "examples" / "allreduce.py"),
+          torchrun(ROOT / "examples" / "allreduce.py"), args.pairs)
+    pairs("rank crash → launcher exit", gpuwarden(HERE / "crash_after_init.py"),
+          torchrun(HERE / "crash_after_init.py"), args.pairs, since_mark=True)
+
+    stall_s = 5.0
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "BENCH_MARK_FILE": os.path.join(tmp, "mark")}
+        wall, code, ended = timed(gpuwarden(HERE / "never_joins.py", "--stall-timeout", f"{stall_s:g}s"),
+                                  env, cap_s=args.cap)
+        with open(env["BENCH_MARK_FILE"]) as f:
+            waited = ended - float(f.read())
+        ours = f"{wall:.2f} s (exit {code}; {waited:.2f} s after rank 0 began waiting, stall timeout {stall_s:g} s)"
+        twall, tcode, _ = timed(torchrun(HERE / "never_joins.py"), env, cap_s=args.cap)
+        theirs = (f"no diagnosis within the {args.cap:g} s cap (stopped; on its own it waits "
+                  "for gloo's 30 min timeout)" if tcode is None else f"{twall:.2f} s (exit {tcode})")
+    print(f"| one rank never joins → diagnosis | {ours} | {theirs} | - |")
+    print(f"\n(benchmark took {time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The plan: a PURE function from the config, the GPUs taken and the port to one RankSpec per rank.
+
+Nothing here starts a process or reads the host, so tests check every rank's environment
+directly (STYLE.md, after accelerate's ``prepare_*_env``). The environment is what torchrun's
+standalone mode gives a worker, so torchrun scripts run unchanged, plus:
+
+- ``CUDA_VISIBLE_DEVICES`` naming only the rank's own GPU (``--bind rank``, the default), so it
+  is ``cuda:0`` in the rank, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so the index means NVML's GPU;
+- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden._rank`) where to write its
+  progress, error record and stack dumps.
+
+``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: there is no agent-hosted TCPStore (hosting one
+would need torch in the supervisor); rank 0 hosts the store, as with plain ``env://``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuwarden.inventory.snapshot import GPUSnapshot
+from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.visibility import CHILD_ORDER_ENV
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    status: str  # mmap'd progress record (launch/status.py)
+    error: str  # JSON record of an uncaught exception
+    stacks: str  # faulthandler dumps on request (SIGUSR1)
+    fatal: str  # faulthandler dump on a fatal signal (SIGSEGV, SIGABRT, SIGBUS...)
+
+    @classmethod
+    def under(cls, run_dir: str, rank: int) -> RankFiles:
+        def p(kind: str) -> str:
+            return os.path.join(run_dir, f"rank{rank}.{kind}")
+
+        return cls(p("status"), p("error.json"), p("stacks"), p("fatal"))
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    local_rank: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # set on top of the supervisor's own environment
+    gpu: GPUSnapshot | None  # None: the rank runs on CPU
+    files: RankFiles
+    shares_gpu_with: tuple[int, ...] = ()
+
+    @property
+    def device_label(self) -> str:
+        return self.gpu.label if self.gpu is not None else "CPU"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    config: LaunchConfig
+    ranks: tuple[RankSpec, ...]
+    master_addr: str
+    master_port: int
+    run_id: str
+    run_dir: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def on_gpu(self) -> bool:
+        return any(r.gpu is not None for r in self.ranks)
+
+
+def rank_count(config: LaunchConfig, usable_gpus: int | None) -> int:
+    """How many ranks: -n, else --gpus N, else every usable GPU for --gpus all, else 1."""
+    if config.nproc is not None:
+        return config.nproc
+    if isinstance(config.gpus, int):
+        return config.gpus
+    if config.gpus == "all":
+        return max(1, usable_gpus or 0)
+    return 1
+
+
+def make_plan(
+    config: LaunchConfig,
+    gpus: Sequence[GPUSnapshot],
+    *,
+    master_port: int,
+    run_id: str,
+    run_dir: str,
+    supervisor_pid: int,
+    python: str,
+    base_env: Mapping[str, str],
+) -> LaunchPlan:
+    """One RankSpec per rank. ``gpus`` empty: CPU ranks. Otherwise one GPU per rank, or, with
+    ``config.share``, ranks spread round-robin over ``gpus``."""
+    world = rank_count(config, len(gpus))
+    if gpus and len(gpus) < world and not config.share:
+        raise ValueError(f"{world} ranks need {world} GPUs, {len(gpus)} given")  # preflight's job
+    argv_tail = ("-m", config.target) if config.module else (config.target,)
+    argv = (python, "-m", "gpuwarden._rank", *argv_tail, *config.args)
+    notes: list[str] = []
+    common = {
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": config.master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "GPUWARDEN_SUPERVISOR_PID": str(supervisor_pid),
+        "GPUWARDEN_RUN_ID": run_id,
+        "GPUWARDEN_BIND": config.bind,
+        **CHILD_ORDER_ENV,
+    }
+    # Without a cap every rank starts one OpenMP thread per core: N ranks oversubscribe the
+    # host N times over. torchrun sets the same default.
+    if world > 1 and "OMP_NUM_THREADS" not in base_env:
+        common["OMP_NUM_THREADS"] = "1"
+    # The supervisor relays output line by line; a block-buffered pipe would hold a rank's
+    # lines back until it exits, losing their order against the other ranks (and a crash's).
+    if "PYTHONUNBUFFERED" not in base_env:
+        common["PYTHONUNBUFFERED"] = "1"
+    if config.cpu:
+        common["CUDA_VISIBLE_DEVICES"] = ""  # --cpu: a rank must not start CUDA by accident
+    common.update(dict(config.extra_env))
+
+    assigned = [gpus[rank % len(gpus)] if gpus else None for rank in range(world)]
+    owners: dict[str, list[int]] = {}
+    for rank, gpu in enumerate(assigned):
+        if gpu is not None:
+            owners.setdefault(gpu.uuid, []).append(rank)
+    ranks = []
+    for rank, gpu in enumerate(assigned):
+        files = RankFiles.under(run_dir, rank)
+        env = dict(common)
+        env.update({
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "ROLE_RANK": str(rank),
+            "TORCHELASTIC_ERROR_FILE": os.path.join(run_dir, f"rank{rank}.torchelastic.json"),
+            "GPUWARDEN_STATUS_FILE": files.status,
+            "GPUWARDEN_ERROR_FILE": files.error,
+            "GPUWARDEN_STACK_FILE": files.stacks,
+            "GPUWARDEN_FATAL_FILE": files.fatal,
+            "GPUWARDEN_DEVICE": "cuda" if gpu is not None else "cpu",
+        })
+        mates: tuple[int, ...] = ()
+        if gpu is not None:
+            env["GPUWARDEN_GPU"] = gpu.label
+            if config.bind == "rank":
+                env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_id
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(g.cuda_id for g in gpus[:world])
+            mates = tuple(r for r in owners[gpu.uuid] if r != rank)
+            if mates:
+                env["GPUWARDEN_SHARED_GPU"] = "1"
+        ranks.append(RankSpec(rank, rank, argv, env, gpu, files, mates))
+    for rs in owners.values():
+        if len(rs) > 1:
+            notes.append(
+                f"ranks {', '.join(map(str, rs))} share {ranks[rs[0]].device_label} (--share): NCCL "
+                "refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
+                "gpuwarden.distributed.init() uses gloo for them")
+    return LaunchPlan(config, tuple(ranks), config.master_addr, master_port, run_id, run_dir,
+                      tuple(notes))

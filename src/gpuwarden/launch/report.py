@@ -1,0 +1,238 @@
+"""The one report of a launch: which rank failed first, how, where it ran, and the failure code.
+
+Built from the supervisor's :class:`RunOutcome` by pure functions. The root cause is the rank
+that failed first in time; failures that are echoes of it (a peer's socket closed under a
+collective) are never chosen over a real cause seen within the same moment. The failure code
+comes from ``gpuwarden.explain`` when it recognises the rank's error text, else RANK_FAILED: the
+report is complete without it (exception, traceback tail, exit code or signal, pid, GPU).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
+
+TRACEBACK_TAIL_LINES = 12
+ECHO_WINDOW_S = 2.0
+
+# What a rank prints when a *peer* went away under a collective: a consequence, not a cause.
+_ECHO = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket closed|"
+    r"NCCL communicator was aborted|ProcessGroupGloo.*(?:Read|Write) error|"
+    r"\[enforce fail at .*gloo.*\].*(?:closed|reset)|remote process exited|peer .* closed",
+    re.IGNORECASE,
+)
+
+_SIGNAL_WHY = {
+    "SIGKILL": ("SIGKILL cannot be caught: most often the kernel's out-of-memory killer (host RAM, "
+                "not GPU memory), else something outside the job (a scheduler, a person) killed it",
+                "look for the OOM killer: `dmesg -T | grep -i -E 'killed process|out of memory'`; "
+                "use less host memory per rank (batch size, DataLoader workers, pinned memory)"),
+    "SIGSEGV": ("a crash in native code (a C/C++/CUDA extension, mismatched library builds)",
+                "the Python stack at the crash is shown below; rebuild or update the extension in it"),
+    "SIGABRT": ("native code called abort(): a failed C++ check in torch, NCCL or an extension",
+                "the lines the rank printed before it died name the check that failed"),
+    "SIGBUS": ("a bus error, usually shared memory (/dev/shm) running out under DataLoader or NCCL",
+               "give the container more /dev/shm (--shm-size, --ipc=host) or use fewer workers"),
+    "SIGFPE": ("an arithmetic fault in native code", "see the stack below"),
+}
+
+
+@dataclass
+class LaunchReport:
+    exit_code: int
+    code: str | None  # failure code (failure-codes.md or gpuwarden's own); None on success
+    what: str
+    why: str | None = None
+    fix: str | None = None
+    evidence: list[str] = field(default_factory=list)
+    # (heading, lines): the traceback tail, the stacks; printed indented under the evidence
+    sections: list[tuple[str, list[str]]] = field(default_factory=list)
+    root_rank: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def render(self) -> str:
+        if self.ok:
+            return f"gpuwarden: {self.what}"
+        lines = [f"error[{self.code}]: {self.what}"]
+        if self.why:
+            lines.append(f"  why: {self.why}")
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
+        lines += [f"  evidence: {e}" for e in self.evidence]
+        for heading, body in self.sections:
+            lines.append(f"  {heading}:")
+            lines += [f"    {line}" for line in body]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "exit_code": self.exit_code, "code": self.code, "what": self.what,
+                "why": self.why, "fix": self.fix, "evidence": self.evidence,
+                "sections": [{"heading": h, "lines": b} for h, b in self.sections],
+                "root_rank": self.root_rank}
+
+
+def exit_words(returncode: int) -> str:
+    """'exit code 3' or 'signal SIGKILL(-9)'."""
+    if returncode < 0:
+        return f"signal {signal_name(-returncode)}({returncode})"
+    return f"exit code {returncode}"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def shell_exit_code(returncode: int) -> int:
+    """A rank's exit code as a shell reports it: 128 + N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def is_echo(ex: RankExit) -> bool:
+    text = " ".join([str((ex.error or {}).get("message", "")), *ex.stderr_tail[-5:]])
+    return ex.returncode > 0 and bool(_ECHO.search(text))
+
+
+def root_cause(failures: list[RankExit]) -> RankExit:
+    """First in time; an echo loses to a real failure seen within ECHO_WINDOW_S of it."""
+    ordered = sorted(failures, key=lambda e: (e.failed_at, e.rank))
+    first = ordered[0]
+    if is_echo(first):
+        for other in ordered[1:]:
+            if other.failed_at - first.failed_at > ECHO_WINDOW_S:
+                break
+            if not is_echo(other):
+                return other
+    return first
+
+
+def build_report(outcome: RunOutcome) -> LaunchReport:
+    plan = outcome.plan
+    failures = [e for e in outcome.exits.values() if e.failed and not e.stopped_by_launcher]
+    if failures:
+        return _failure_report(outcome, root_cause(failures))
+    if outcome.stall is not None and not plan.config.keep_waiting:
+        return _stall_report(outcome, outcome.stall)
+    if outcome.interrupted_by is not None:
+        signum = int(getattr(signal, outcome.interrupted_by, signal.SIGTERM))
+        return LaunchReport(
+            128 + signum, "LAUNCH_INTERRUPTED",
+            f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} rank(s)",
+            evidence=[_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)])
+    elapsed = outcome.ended_at - outcome.started_at
+    return LaunchReport(0, None, f"{plan.world_size} rank(s) finished in {elapsed:.1f} s")
+
+
+def _by_rank(e: RankExit) -> int:
+    return e.rank
+
+
+def _device(outcome: RunOutcome, rank: int) -> str:
+    return outcome.plan.ranks[rank].device_label
+
+
+def _rank_line(outcome: RunOutcome, e: RankExit) -> str:
+    how = exit_words(e.returncode)
+    if e.stopped_by_launcher:
+        how = f"stopped by gpuwarden ({how})"
+    return f"rank {e.rank}: pid {e.pid}, {_device(outcome, e.rank)}, {how}"
+
+
+def _explain(text: str) -> Any:
+    """explain's primary diagnosis when it knows the text, else None (explain may be absent)."""
+    try:
+        from gpuwarden.explain import explain_text  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+    try:
+        primary = explain_text(text).primary
+    except Exception:  # the report must not fail because a diagnosis did
+        return None
+    return None if getattr(primary, "code", "NONE") in (None, "NONE") else primary
+
+
+def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
+    after = root.failed_at - outcome.started_at
+    err = root.error or {}
+    details: list[tuple[str, list[str]]] = []
+    if err:
+        what = f"rank {root.rank} failed first: {err.get('type')}: {err.get('message')}"
+        tb = str(err.get("traceback", "")).rstrip().splitlines()
+        details.append((f"traceback of rank {root.rank} (last lines)", tb[-TRACEBACK_TAIL_LINES:]))
+    elif root.returncode < 0:
+        what = f"rank {root.rank} was killed by {exit_words(root.returncode)[7:]}"
+    else:
+        what = f"rank {root.rank} failed first: {exit_words(root.returncode)}"
+    if root.fatal_dump.strip():
+        first = root.fatal_dump.strip().splitlines()[0]
+        details.append((f"Python stack of rank {root.rank} at the crash ({first})",
+                        main_thread_frames(root.fatal_dump, TRACEBACK_TAIL_LINES)))
+    elif not err and root.stderr_tail:
+        details.append((f"last lines rank {root.rank} wrote to stderr", root.stderr_tail[-8:]))
+
+    text = "\n".join([str(err.get("traceback", "")), *root.stderr_tail, root.fatal_dump])
+    diag = _explain(text)
+    code, why, fix = "RANK_FAILED", None, None
+    if diag is not None:
+        code, why, fix = str(diag.code), getattr(diag, "why", None), getattr(diag, "fix", None)
+    if root.returncode < 0:
+        name = signal_name(-root.returncode)
+        sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
+        why = why or sig_why
+        fix = fix or sig_fix
+    if fix is None and err:
+        fix = f"the traceback below is rank {root.rank}'s own; the other ranks were stopped"
+
+    evidence = [f"rank {root.rank}: pid {root.pid}, {_device(outcome, root.rank)}, "
+                f"{exit_words(root.returncode)} after {after:.1f} s"]
+    for e in sorted(outcome.exits.values(), key=_by_rank):
+        if e.rank == root.rank:
+            continue
+        line = _rank_line(outcome, e)
+        if e.failed and not e.stopped_by_launcher:
+            echo = ", an echo of it" if is_echo(e) else ""
+            line += f" (failed after rank {root.rank}{echo})"
+        evidence.append(line)
+    if diag is not None:
+        for item in list(getattr(diag, "evidence", []) or [])[-1:]:
+            text = item[1] if isinstance(item, tuple) else getattr(item, "text", item)
+            evidence.append(f"matched in rank {root.rank}'s output: {str(text).strip()}")
+    return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
+                        root.rank)
+
+
+def _stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
+    timeout = outcome.plan.config.stall_timeout_s
+    world = outcome.plan.world_size
+    waiting = ", ".join(map(str, stall.waiting))
+    missing = ", ".join(map(str, stall.elsewhere))
+    in_init = stall.point == "init_process_group"
+    code = "RDZV_WORKERS_MISSING" if in_init else "RANK_STALL"
+    what = (f"rank(s) {waiting} waited in {stall.point} for more than {timeout:g} s; "
+            f"rank(s) {missing} of {world} did not get there")
+    if in_init:
+        why = ("init_process_group waits for all WORLD_SIZE ranks; PyTorch would wait for its "
+               "timeout (10-30 min) and then count the joined ranks without naming the missing ones")
+    else:
+        why = ("a collective completes only when every rank calls it; the ranks named last are "
+               "somewhere else (dead, finished, stuck, or in a different collective)")
+    fix = (f"see where rank(s) {missing} are (stacks below); raise --stall-timeout if they are "
+           "legitimately slow, or --keep-waiting to only report")
+    evidence = [f"rank {rank}: pid {outcome.pids.get(rank)}, {_device(outcome, rank)}, "
+                f"{stall.where.get(rank, 'unknown')}" for rank in range(world)]
+    details: list[tuple[str, list[str]]] = []
+    for rank in range(world):
+        frames = stall.stacks.get(rank)
+        if frames:
+            details.append((f"stack of rank {rank} (innermost first)", frames))
+    return LaunchReport(1, code, what, why, fix, evidence, details, None)

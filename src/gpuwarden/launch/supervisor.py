@@ -1,0 +1,499 @@
+"""The process context: start every rank, relay its output, watch it, stop all, reap all.
+
+Shaped like torch.distributed.elastic's PContext (start → poll → close with SIGTERM, a grace
+period, SIGKILL, per process group) but without torch: this process imports only the standard
+library and psutil-free helpers, so a launch costs tens of milliseconds before the ranks start.
+
+Rules it keeps:
+
+- every rank is its own session and process group (``start_new_session``), so SIGTERM/SIGKILL
+  reach the rank's own children (DataLoader workers, compile workers) too, and a Ctrl-C on the
+  terminal reaches only gpuwarden, which then stops the ranks in order;
+- the first rank to fail stops all others; a rank that exits 0 is simply done;
+- nothing outlives the job: at the end every rank's group is SIGKILLed (harmless when empty),
+  and a tiny reaper process kills the groups if this process itself is SIGKILLed (each rank also
+  has PR_SET_PDEATHSIG, armed by :mod:`gpuwarden._rank`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, TextIO
+
+from gpuwarden.launch.plan import LaunchPlan, RankSpec
+from gpuwarden.launch.status import STACK_SIGNAL_NAME, Phase, RankStatus, StatusReader
+
+STDERR_TAIL_LINES = 40
+_STACK_WAIT_S = 1.5
+
+# Reads "+PGID" / "-PGID" lines; "done" means the supervisor finished cleanly. End of input
+# without "done" means the supervisor died: SIGKILL every group still listed.
+_REAPER = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    line = line.strip()
+    if line == "done":
+        sys.exit(0)
+    if line[:1] == "+":
+        groups.add(int(line[1:]))
+    elif line[:1] == "-":
+        groups.discard(int(line[1:]))
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+@dataclass
+class RankExit:
+    """How one rank ended. ``returncode`` as subprocess gives it: negative for a signal."""
+
+    rank: int
+    pid: int
+    returncode: int
+    ended_at: float  # monotonic, when the supervisor saw it
+    stopped_by_launcher: bool  # it ended after gpuwarden began stopping the job
+    error: dict[str, Any] | None = None  # the bootstrap's record of an uncaught exception
+    fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
+    stderr_tail: list[str] = field(default_factory=list)
+    last_status: RankStatus | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode != 0
+
+    @property
+    def failed_at(self) -> float:
+        """When it failed: the exception's own time when recorded, else when it was seen to exit."""
+        if self.error and isinstance(self.error.get("monotonic"), (int, float)):
+            return min(float(self.error["monotonic"]), self.ended_at)
+        return self.ended_at
+
+
+@dataclass
+class Stall:
+    """Ranks waiting longer than the stall timeout while others were elsewhere."""
+
+    waiting: list[int]  # ranks stuck at the same point
+    elsewhere: list[int]  # ranks not at that point: missing, dead, finished, or further along
+    where: dict[int, str]  # rank -> what it was doing
+    stacks: dict[int, list[str]]  # rank -> top frames of its main thread
+    detected_at: float
+    point: str  # "init_process_group" or "all_reduce (collective #3)"
+
+
+@dataclass
+class RunOutcome:
+    plan: LaunchPlan
+    started_at: float
+    ended_at: float
+    exits: dict[int, RankExit]
+    pids: dict[int, int]
+    stall: Stall | None = None
+    interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" sent to the supervisor
+    stop_began_at: float | None = None
+
+
+class _Rank:
+    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], status: StatusReader,
+                 started_at: float) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.pgid = proc.pid  # start_new_session: the rank leads its own group
+        self.started_at = started_at
+        self.status = status
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.partial: dict[int, bytes] = {}
+        self.log: IO[str] | None = None
+        self.exit: RankExit | None = None
+
+
+class Supervisor:
+    """Runs one plan. ``run()`` returns when every rank has ended and every group is reaped."""
+
+    def __init__(self, plan: LaunchPlan, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
+                 poll_interval_s: float = 0.05) -> None:
+        self.plan = plan
+        self.config = plan.config
+        self.out = stdout or sys.stdout
+        self.err = stderr or sys.stderr
+        self.poll_interval_s = poll_interval_s
+        self.ranks: list[_Rank] = []
+        self._sel = selectors.DefaultSelector()
+        self._interrupt: str | None = None
+        self._stop_began: float | None = None
+        self._killed = False
+        self._failing: set[int] = set()  # ranks seen FAILED before they exited
+        self._stall: Stall | None = None
+        self._stall_reported = False
+        self._reaper: subprocess.Popen[bytes] | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self._old_wakeup_fd: int | None = None
+        self.on_stall: Any = None  # callback(Stall) for --keep-waiting reports
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> RunOutcome:
+        started = time.monotonic()
+        self._install_signals()
+        try:
+            self._start_reaper()
+            for spec in self.plan.ranks:
+                self._start(spec)
+            self._loop()
+        finally:
+            self._final_cleanup()
+            self._restore_signals()
+        exits = {r.spec.rank: r.exit for r in self.ranks if r.exit is not None}
+        return RunOutcome(self.plan, started, time.monotonic(), exits,
+                          {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
+                          self._interrupt, self._stop_began)
+
+    def _start_reaper(self) -> None:
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-S", "-c", _REAPER], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _tell_reaper(self, line: str) -> None:
+        if self._reaper is not None and self._reaper.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._reaper.stdin.write(f"{line}\n".encode())
+                self._reaper.stdin.flush()
+
+    def _start(self, spec: RankSpec) -> None:
+        status = StatusReader(spec.files.status)
+        for path in (spec.files.error, spec.files.stacks, spec.files.fatal):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        env = dict(os.environ)
+        env.update(spec.env)
+        proc = subprocess.Popen(
+            list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        rank = _Rank(spec, proc, status, time.monotonic())
+        self._tell_reaper(f"+{rank.pgid}")
+        if self.config.log_dir:
+            os.makedirs(self.config.log_dir, exist_ok=True)
+            rank.log = open(os.path.join(self.config.log_dir, f"rank{spec.rank}.log"), "w",  # noqa: SIM115
+                            encoding="utf-8")
+        for stream in (proc.stdout, proc.stderr):
+            assert stream is not None
+            os.set_blocking(stream.fileno(), False)
+            self._sel.register(stream.fileno(), selectors.EVENT_READ, (rank, stream))
+        self.ranks.append(rank)
+
+    def _loop(self) -> None:
+        next_stall_check = 0.0
+        while True:
+            self._pump(self.poll_interval_s)
+            self._reap_exited()
+            now = time.monotonic()
+            live = [r for r in self.ranks if r.exit is None]
+            if not live:
+                break
+            if self._stop_began is None:
+                failed = any(r.exit is not None and r.exit.failed for r in self.ranks)
+                if not failed:
+                    # A rank that raised has written its error record and marked itself FAILED
+                    # before its (slow, with torch loaded) interpreter teardown: stop the
+                    # others now, let it finish exiting on its own.
+                    for r in live:
+                        st = _safe_status(r)
+                        if st is not None and st.phase is Phase.FAILED:
+                            self._failing.add(r.spec.rank)
+                            failed = True
+                if self._interrupt is not None or failed:
+                    self._begin_stop()
+                elif now >= next_stall_check:
+                    next_stall_check = now + 0.2
+                    self._check_stall(now)
+            elif not self._killed and now - self._stop_began >= self.config.grace_s:
+                self._killed = True
+                for r in live:
+                    self._signal_group(r, signal.SIGKILL)
+        # Output still in the pipes after the last exit (a child of a rank may hold them open:
+        # do not wait for EOF longer than a moment).
+        deadline = time.monotonic() + 0.3
+        while self._sel.get_map() and time.monotonic() < deadline:
+            if not self._pump(0.05):
+                break
+
+    def _begin_stop(self) -> None:
+        self._stop_began = time.monotonic()
+        for r in self.ranks:
+            if r.exit is None and r.spec.rank not in self._failing:
+                self._signal_group(r, signal.SIGTERM)
+
+    def _signal_group(self, rank: _Rank, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(rank.pgid, sig)
+
+    def _reap_exited(self) -> None:
+        for r in self.ranks:
+            if r.exit is not None:
+                continue
+            code = r.proc.poll()
+            if code is None:
+                continue
+            now = time.monotonic()
+            r.exit = RankExit(
+                rank=r.spec.rank, pid=r.proc.pid, returncode=code, ended_at=now,
+                stopped_by_launcher=self._stop_began is not None
+                and r.spec.rank not in self._failing,
+                error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal),
+                last_status=_safe_status(r))
+            if code != 0:
+                # Lines still in the pipe belong in the report's tail.
+                self._drain(r)
+                r.exit.stderr_tail = list(r.stderr_tail)
+
+    def _final_cleanup(self) -> None:
+        # Anything left in a rank's group (its own children) goes now; then the reaper may exit.
+        for r in self.ranks:
+            self._signal_group(r, signal.SIGKILL)
+            if r.exit is None:
+                with contextlib.suppress(Exception):
+                    r.proc.kill()
+                    r.proc.wait(5)
+        self._tell_reaper("done")
+        if self._reaper is not None:
+            with contextlib.suppress(OSError):
+                assert self._reaper.stdin is not None
+                self._reaper.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(5)
+        for key in list(self._sel.get_map().values()):
+            self._sel.unregister(key.fd)
+        self._sel.close()
+        for r in self.ranks:
+            for stream in (r.proc.stdout, r.proc.stderr):
+                if stream is not None:
+                    stream.close()
+            if r.log is not None:
+                r.log.close()
+            r.status.close()
+
+    # ---- output ----------------------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> bool:
+        """Relay whatever the ranks wrote; True when there was something."""
+        got = False
+        for key, _ in self._sel.select(timeout):
+            if key.data is None:  # the signal wake-up socket
+                with contextlib.suppress(OSError):
+                    assert self._wake_r is not None
+                    self._wake_r.recv(4096)
+                continue
+            rank, stream = key.data
+            got = True
+            self._read_stream(rank, stream)
+        return got
+
+    def _drain(self, rank: _Rank) -> None:
+        for stream in (rank.proc.stdout, rank.proc.stderr):
+            if stream is not None and stream.fileno() in {k.fd for k in self._sel.get_map().values()}:
+                self._read_stream(rank, stream)
+
+    def _read_stream(self, rank: _Rank, stream: IO[bytes]) -> None:
+        fd = stream.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._sel.unregister(fd)
+                rest = rank.partial.pop(fd, b"")
+                if rest:
+                    self._emit(rank, stream is rank.proc.stderr, rest)
+                return
+            buf = rank.partial.get(fd, b"") + data
+            *lines, tail = buf.split(b"\n")
+            rank.partial[fd] = tail
+            for line in lines:
+                self._emit(rank, stream is rank.proc.stderr, line)
+
+    def _emit(self, rank: _Rank, is_err: bool, raw: bytes) -> None:
+        text = raw.decode("utf-8", errors="replace")
+        if is_err:
+            rank.stderr_tail.append(text)
+        if rank.log is not None:
+            rank.log.write(text + "\n")
+            rank.log.flush()
+        if self.config.quiet and rank.spec.rank != 0:
+            return
+        stream = self.err if is_err else self.out
+        stream.write(f"[rank{rank.spec.rank}]: {text}\n")
+        stream.flush()
+
+    # ---- stalls ----------------------------------------------------------------------------
+
+    def _check_stall(self, now: float) -> None:
+        if self._stall_reported:
+            return
+        timeout = self.config.stall_timeout_s
+        states: dict[int, RankStatus | None] = {}
+        for r in self.ranks:
+            states[r.spec.rank] = None if r.exit is not None else _safe_status(r)
+        waiting = [rank for rank, st in states.items() if st is not None
+                   and st.phase in (Phase.IN_INIT, Phase.IN_COLLECTIVE) and now - st.since > timeout]
+        if not waiting:
+            return
+        ref = states[waiting[0]]
+        assert ref is not None
+        same = [rank for rank, st in states.items() if st is not None and st.point == ref.point]
+        elsewhere = [rank for rank in states if rank not in same]
+        if not elsewhere:
+            return  # everyone waits at the same point: a slow collective, not a missing rank
+        where: dict[int, str] = {}
+        for r in self.ranks:
+            st = states[r.spec.rank]
+            if r.exit is not None:
+                how = "exited with code 0" if r.exit.returncode == 0 else _exit_words(r.exit.returncode)
+                where[r.spec.rank] = f"{how} (pid {r.proc.pid})"
+            elif st is not None:
+                where[r.spec.rank] = st.describe(now)
+        point = ("init_process_group" if ref.phase is Phase.IN_INIT
+                 else f"{ref.op} (collective #{ref.collectives})")
+        stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
+        self._stall = Stall(sorted(same), sorted(elsewhere), where, stacks, now, point)
+        self._stall_reported = True
+        if self.config.keep_waiting:
+            if self.on_stall is not None:
+                self.on_stall(self._stall)
+        else:
+            self._begin_stop()
+
+    def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
+        """Ask each rank for a faulthandler dump (only once its handler is armed) and read it."""
+        sig = getattr(signal, STACK_SIGNAL_NAME)
+        sizes: dict[int, int] = {}
+        asked = []
+        for r in ranks:
+            st = _safe_status(r)
+            if st is None or st.phase in (Phase.NOT_STARTED, Phase.FINISHED, Phase.FAILED):
+                continue
+            sizes[r.spec.rank] = _size(r.spec.files.stacks)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.proc.pid, sig)
+                asked.append(r)
+        deadline = time.monotonic() + _STACK_WAIT_S
+        last: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            self._pump(0.05)
+            now_sizes = {r.spec.rank: _size(r.spec.files.stacks) for r in asked}
+            grown = all(now_sizes[k] > sizes[k] for k in now_sizes)
+            if grown and now_sizes == last:
+                break  # every dump has started and none grew since the last look
+            last = now_sizes
+        out = {}
+        for r in asked:
+            with open(r.spec.files.stacks, "rb") as f:
+                f.seek(sizes[r.spec.rank])
+                out[r.spec.rank] = main_thread_frames(f.read().decode(errors="replace"))
+        return out
+
+    # ---- signals ---------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers only work there; the loop still polls every interval
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self._sel.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno())
+
+        def on_stop(signum: int, _frame: Any) -> None:
+            if self._interrupt is None:
+                self._interrupt = signal.Signals(signum).name
+
+        # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
+        for sig, handler in ((signal.SIGCHLD, lambda *_: None), (signal.SIGINT, on_stop),
+                             (signal.SIGTERM, on_stop), (signal.SIGHUP, on_stop)):
+            self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        if self._wake_w is not None:
+            signal.set_wakeup_fd(self._old_wakeup_fd if self._old_wakeup_fd is not None else -1)
+            self._wake_w.close()
+            assert self._wake_r is not None
+            self._wake_r.close()
+
+
+def main_thread_frames(dump: str, limit: int = 6) -> list[str]:
+    """The innermost frames of the thread running the script, from a faulthandler dump,
+    without the bootstrap's and runpy's frames. faulthandler lists the most recent call first."""
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            blocks.append([])
+        elif line.startswith("  File ") and blocks:
+            blocks[-1].append(line.strip())
+    if not blocks:
+        return []
+    main = next((b for b in blocks if any("gpuwarden/_rank.py" in f for f in b)), blocks[0])
+    noise = ("gpuwarden/_rank.py", "runpy", "c10d_logger.py")  # bootstrap, runpy, torch's log wrapper
+    frames = [f for f in main if not any(n in f for n in noise)]
+    return frames[:limit]
+
+
+def _exit_words(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}({returncode})"
+    return f"exited with code {returncode}"
+
+
+def _safe_status(r: _Rank) -> RankStatus | None:
+    try:
+        return r.status.read()
+    except (OSError, ValueError):
+        return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

@@ -1,0 +1,20 @@
+"""The gpuwarden.distributed.init() way; an atexit handler must still run (the bootstrap's fast exit)."""
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+
+import gpuwarden.distributed as gdist
+
+atexit.register(lambda: print("atexit handler ran", flush=True))
+# Written and never closed: the bootstrap's fast exit must still flush it to disk.
+unclosed_log = open(os.path.join(os.environ["UNCLOSED_LOG_DIR"], f"rank{os.environ['RANK']}.txt"), "w")  # noqa: SIM115
+unclosed_log.write("written without close\n")
+info = gdist.init()
+assert gdist.init() is info  # idempotent
+t = torch.tensor([float(info.rank + 1)])
+dist.all_reduce(t)
+print(f"rank {info.rank}/{info.world_size} local {info.local_rank} {info.device} {info.backend} "
+      f"launcher={info.launcher} sum={t.item():g}")
+gdist.destroy()
