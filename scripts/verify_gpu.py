@@ -285,11 +285,8 @@ def stage_stories(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
-def explain(text: str) -> str | None:
-    try:
-        return catalog.explain_code(text)
-    except ImportError:
-        return None
+def explain(text: str) -> str:
+    return catalog.explain_code(text)
 
 
 def gpu_benchmarks(bench_dir: Path) -> list[tuple[Path, list[str]]]:

@@ -8,7 +8,6 @@ naive/fixed pairs that need a GPU are `gpu`-marked and run where NVML shows one.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "stories"))
 import catalog  # noqa: E402
 
-HAVE_EXPLAIN = importlib.util.find_spec("gpuwarden.explain") is not None
-HAVE_LAUNCH = importlib.util.find_spec("gpuwarden.launch") is not None
-HAVE_LEASE = importlib.util.find_spec("gpuwarden.lease") is not None
-needs_launch = pytest.mark.skipif(not HAVE_LAUNCH, reason="gpuwarden.launch is not on this branch yet")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 DOCTOR4 = {case: catalog.StoryRun(catalog.STORY4, "fixed.py", (case, "--no-launch"), timeout_s=30)
@@ -44,10 +39,8 @@ def show(outcome: catalog.Outcome) -> str:
 @pytest.fixture(scope="module")
 def cpu() -> dict[str, catalog.Outcome]:
     # the slowest first, so that they overlap the most
-    runs = [*catalog.NAIVE4.values(), *DOCTOR4.values(), catalog.FIXED3_SIMULATED,
-            catalog.FIXED2, catalog.FIXED5]
-    if HAVE_LAUNCH:
-        runs[3:3] = [*catalog.FIXED4.values(), catalog.FIXED1]
+    runs = [*catalog.NAIVE4.values(), *catalog.FIXED4.values(), catalog.FIXED1, *DOCTOR4.values(),
+            catalog.FIXED3_SIMULATED, catalog.FIXED2, catalog.FIXED5]
     if not catalog.has_gpu():
         runs += SKIPPING
     return run_all(runs)
@@ -91,7 +84,6 @@ def test_story4_doctor_names_dns_and_port_before_anything_starts(cpu: dict[str, 
     assert "is already in use on this host  (RDZV_PORT_IN_USE)" in port.output
 
 
-@needs_launch
 @pytest.mark.timeout(120)
 def test_story4_fixed_names_each_cause_in_seconds_then_runs(cpu: dict[str, catalog.Outcome]) -> None:
     for case, story_run in catalog.FIXED4.items():
@@ -120,8 +112,8 @@ def test_story3_fixed_on_the_simulated_busy_host(cpu: dict[str, catalog.Outcome]
     assert "explain: CUDA_OOM" in out
     assert "pid 4242 holds 70.05 GiB on GPU 0: user bob, python train_llm.py" in out
     assert "pid 6161 holds 7.50 GiB on GPU 0: user dave" in out
-    if HAVE_LEASE:
-        assert "leased GPU 2 after" in out and "waited in line" in out
+    # the second job waits in line for the shared GPU the first one leased
+    assert "leased GPU 2 after" in out and "waited in line" in out
 
 
 @pytest.mark.timeout(120)
@@ -140,10 +132,9 @@ def test_stories_1_2_5_fixed_run_on_this_machine(cpu: dict[str, catalog.Outcome]
     assert story2.exit_code == 0 and "checksums match" in story2.output, show(story2)
     story5 = cpu[catalog.FIXED5.name]
     assert story5.exit_code == 0 and "ok: 4 trials ran" in story5.output, show(story5)
-    if HAVE_LAUNCH:
-        story1 = cpu[catalog.FIXED1.name]
-        assert story1.exit_code == 0, show(story1)
-        assert "all_reduce = 3" in story1.output, show(story1)
+    story1 = cpu[catalog.FIXED1.name]
+    assert story1.exit_code == 0, show(story1)
+    assert story1.output.count("backend gloo: all_reduce = 3") == 2, show(story1)
 
 
 @pytest.mark.gpu

@@ -46,12 +46,6 @@ def has_gpu() -> bool:
         return False
 
 
-def have(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def show(title: str, argv: list[str], env: dict[str, str], expect_exit: set[int]) -> tuple[bool, str]:
     """Run a command as the user would and show it; True when its exit code is expected."""
     shown = " ".join("gpuwarden" if a == "-m" else a for a in argv[2:]) if argv[:3] == GPUWARDEN \
@@ -163,17 +157,11 @@ def simulated() -> list[bool]:
         show("accept sharing a GPU in the default compute mode", [*GPUWARDEN, "select", "-n", "1",
              "--min-free", "30GiB", "--allow-shared", "-v"], env, {0})[0],
     ]
-    if have("gpuwarden.explain"):
-        ok, _ = show("the OOM a job got on GPU 0 (oom.log)", [*GPUWARDEN, "explain", "oom.log"],
-                     env, {0, 1})
-        results += [ok, explain_step((HERE / "oom.log").read_text(), env)]
-    else:
-        print("\n(gpuwarden.explain is not installed: the OOM step is left out)")
-    if have("gpuwarden.lease"):
-        results.append(wait_in_line(env, ["--min-free", "30GiB", "--allow-shared"],
-                                    ["--need-gib", "30"]))
-    else:
-        print("\n(gpuwarden.lease is not installed: the waiting-in-line step is left out)")
+    ok, _ = show("the OOM a job got on GPU 0 (oom.log)", [*GPUWARDEN, "explain", "oom.log"],
+                 env, {0})
+    results += [ok, explain_step((HERE / "oom.log").read_text(), env)]
+    results.append(wait_in_line(env, ["--min-free", "30GiB", "--allow-shared"],
+                                ["--need-gib", "30"]))
     return results
 
 
@@ -197,12 +185,9 @@ def real() -> list[bool]:
                         [*GPUWARDEN, "select", "-n", "1", "--min-free", "16GiB", "-v"], env, {0, 4})[0]]
         ok, out = show("the job the naive way (GPU 0, no check)",
                        [sys.executable, "job.py", "--need-gib", "16"], env, {1})
-        results.append(ok)
-        if have("gpuwarden.explain"):
-            results.append(explain_step(out, env))
-        if have("gpuwarden.lease"):
-            results.append(wait_in_line(env, ["--min-free", "16GiB"], ["--need-gib", "16"],
-                                        while_waiting=end_hog))
+        results += [ok, explain_step(out, env)]
+        results.append(wait_in_line(env, ["--min-free", "16GiB"], ["--need-gib", "16"],
+                                    while_waiting=end_hog))
         return results
     finally:
         end_hog()

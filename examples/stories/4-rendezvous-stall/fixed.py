@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--stall-timeout", default="3s",
                         help="gpuwarden launch --stall-timeout for the missing rank (default 3s)")
     parser.add_argument("--no-launch", action="store_true",
-                        help="only the doctor's diagnosis (for installs without gpuwarden.launch)")
+                        help="only the doctor's diagnosis, no launch")
     args = parser.parse_args()
     train = "train.py"
     launch = ["launch", "--cpu", "-n", "2", "--grace", "1s"]
