@@ -106,10 +106,28 @@ def make_hosts(count: int) -> Hosts:
         for i, ns in enumerate(names):
             _ip("-n", ns, "addr", "add", f"{hosts.addrs[i]}/24", "dev", ifaces[i])
             _ip("-n", ns, "link", "set", ifaces[i], "up")
+        _wait_visible(hosts)
     except BaseException:
         remove_hosts(hosts)
         raise
     return hosts
+
+
+def _wait_visible(hosts: Hosts, timeout_s: float = 10.0) -> None:
+    """A fresh interface can take a moment to show in getifaddrs (psutil), which the code under
+    test reads, even after `ip` lists it: wait until every host sees its own address."""
+    import sys
+    import time
+
+    code = ("import psutil, sys; a = psutil.net_if_addrs().get(sys.argv[1], []); "
+            "sys.exit(0 if any(x.address == sys.argv[2] for x in a) else 1)")
+    for i in range(len(hosts.names)):
+        deadline = time.monotonic() + timeout_s
+        while subprocess.run(hosts.cmd(i, [sys.executable, "-c", code, hosts.ifaces[i],
+                                           hosts.addrs[i]]), timeout=20).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{hosts.ifaces[i]} never showed {hosts.addrs[i]}")
+            time.sleep(0.1)
 
 
 def remove_hosts(hosts: Hosts) -> None:

@@ -134,12 +134,13 @@ def check_rendezvous(config: LaunchConfig, env: dict[str, str], *, err: TextIO,
         print(f"gpuwarden: {line}", file=err, flush=True)
 
     if me != 0:
-        _wait_for_store(config, hostname, probes, err, clock, sleep, start)
+        _wait_for_store(config, hostname, resolution, probes, err, clock, sleep, start)
     out.waited_s = clock() - start
     return out
 
 
-def _wait_for_store(config: LaunchConfig, hostname: str, probes: Probes, err: TextIO,
+def _wait_for_store(config: LaunchConfig, hostname: str, resolution: net.Resolution,
+                    probes: Probes, err: TextIO,
                     clock: Callable[[], float], sleep: Callable[[float], None],
                     start: float) -> None:
     """Probe MASTER_ADDR:MASTER_PORT until it accepts a connection or the window ends; say
@@ -164,7 +165,8 @@ def _wait_for_store(config: LaunchConfig, hostname: str, probes: Probes, err: Te
             print(f"gpuwarden: node {config.node_rank}: {_words(probe)}; retrying for up to "
                   f"{max(0.0, deadline - clock()):.0f} s more", file=err, flush=True)
         if clock() >= deadline:
-            c = check_master_port(RendezvousFacts(addr, port, None, None, False, None, probe, None))
+            c = check_master_port(RendezvousFacts(addr, port, None, resolution, False, None, probe,
+                                                  None))
             what = (f"node {config.node_rank} could not reach the rendezvous store at "
                     f"{addr}:{port} within {config.rdzv_timeout_s:g} s (--rdzv-timeout)")
             why = c.why or probe.detail
