@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from gpuwarden.launch.status import STACK_SIGNAL_NAME, Phase, StatusWriter
+from gpuwarden.procs import die_with_parent
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
@@ -48,21 +49,6 @@ _keep_open: list[Any] = []  # faulthandler needs its files open for the life of 
 def _set(phase: Phase, op: str | None = None) -> None:
     if _status is not None:
         _status.set(phase, op)
-
-
-def die_with_parent(expected_ppid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux), then close the race
-    where the parent died before the request was made."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass  # the supervisor's reaper still kills this rank's process group
-    if os.getppid() != expected_ppid:
-        os._exit(128 + int(signal.SIGKILL))
 
 
 class _TorchHooks(importlib.abc.MetaPathFinder):
@@ -233,7 +219,7 @@ def main(argv: list[str]) -> int:
     global _status
     env = os.environ
     if "GPUWARDEN_SUPERVISOR_PID" in env:
-        die_with_parent(int(env["GPUWARDEN_SUPERVISOR_PID"]))
+        die_with_parent(int(env["GPUWARDEN_SUPERVISOR_PID"]), exit_code=128 + int(signal.SIGKILL))
     if env.get("GPUWARDEN_FATAL_FILE"):
         fatal = open(env["GPUWARDEN_FATAL_FILE"], "a", encoding="utf-8")  # noqa: SIM115
         _keep_open.append(fatal)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
+from gpuwarden.procs import describe_exit, signal_name
 
 TRACEBACK_TAIL_LINES = 12
 EXIT_NODE_ABORTED = 1
@@ -82,16 +83,7 @@ class LaunchReport:
 
 def exit_words(returncode: int) -> str:
     """'exit code 3' or 'signal SIGKILL(-9)'."""
-    if returncode < 0:
-        return f"signal {signal_name(-returncode)}({returncode})"
-    return f"exit code {returncode}"
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+    return f"signal {describe_exit(returncode)}" if returncode < 0 else describe_exit(returncode)
 
 
 def shell_exit_code(returncode: int) -> int:

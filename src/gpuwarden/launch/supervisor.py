@@ -33,6 +33,7 @@ from typing import IO, Any, TextIO
 
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.status import STACK_SIGNAL_NAME, Phase, RankStatus, StatusReader
+from gpuwarden.procs import describe_exit
 
 STDERR_TAIL_LINES = 40
 _STACK_WAIT_S = 1.5
@@ -598,13 +599,7 @@ def main_thread_frames(dump: str, limit: int = 6) -> list[str]:
 
 
 def _exit_words(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name}({returncode})"
-    return f"exited with code {returncode}"
+    return f"killed by {describe_exit(returncode)}" if returncode < 0 else f"exited with {describe_exit(returncode)}"
 
 
 def _safe_status(r: _Rank) -> RankStatus | None:

@@ -30,7 +30,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from gpuwarden.pool._proc import die_with_parent, status_to_returncode
+from gpuwarden.procs import die_with_parent, status_to_returncode
 
 MAX_MESSAGE_BYTES = 1 << 16
 

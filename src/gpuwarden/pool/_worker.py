@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gpuwarden.pool import _pickling
-from gpuwarden.pool._proc import die_with_parent
+from gpuwarden.procs import die_with_parent
 
 HEADER = struct.Struct("<qB")
 RESULT, ERROR, READY, INIT_ERROR = range(4)

@@ -37,8 +37,8 @@ from gpuwarden.errors import (
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.pool import _pickling, _worker
 from gpuwarden.pool._launch import ForkServerLauncher, Launcher, SpawnLauncher
-from gpuwarden.pool._proc import describe_exit
 from gpuwarden.pool.plan import WorkerSlot, plan_slots
+from gpuwarden.procs import describe_exit
 from gpuwarden.units import parse_size
 
 log = logging.getLogger("gpuwarden.pool")

@@ -1,4 +1,5 @@
-"""Process plumbing shared by pool workers and the fork server (Linux first, POSIX fallback)."""
+"""Process plumbing shared by every process gpuwarden starts: launch ranks, pool workers, the
+pool's fork server. Standard library only (the rank bootstrap imports it before the script runs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(expected_ppid: int) -> None:
+def die_with_parent(expected_ppid: int, *, exit_code: int = 1) -> None:
     """Make the kernel SIGKILL this process when its parent dies (Linux prctl).
 
     The parent may already be gone by the time this runs (we were re-parented to init or a
@@ -24,7 +25,15 @@ def die_with_parent(expected_ppid: int) -> None:
         except (OSError, AttributeError):
             pass
     if os.getppid() != expected_ppid:
-        os._exit(1)
+        os._exit(exit_code)
+
+
+def signal_name(signum: int) -> str:
+    """'SIGKILL' for 9; 'signal 77' for a number with no name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -32,11 +41,7 @@ def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "unknown exit status"
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"{name}({returncode})"
+        return f"{signal_name(-returncode)}({returncode})"
     return f"exit code {returncode}"
 
 
