@@ -96,11 +96,25 @@ def _patch_distributed(dist: Any) -> None:
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         _set(Phase.IN_INIT, "init_process_group")
+        if os.environ.get("GPUWARDEN_PEERS_FILE"):
+            # Multi-node: say on the job's own TCPStore who arrived, and watch for another
+            # node's abort (gpuwarden/_store_watch.py). torch is loaded: the script imported it.
+            from gpuwarden import _store_watch
+
+            _store_watch.start(os.environ)
         result = init(*args, **kwargs)
         _set(Phase.JOINED)
         return result
 
     dist.init_process_group = init_process_group
+    destroy = getattr(dist, "destroy_process_group", None)
+    if destroy is not None:
+        @functools.wraps(destroy)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            _stop_store_watch()
+            return destroy(*args, **kwargs)
+
+        dist.destroy_process_group = destroy_process_group
     for name in COLLECTIVES:
         fn = getattr(dist, name, None)
         if fn is not None:
@@ -245,9 +259,39 @@ def main(argv: list[str]) -> int:
         _set(Phase.FINISHED)
     if code != 0:
         _set(Phase.FAILED)
+        _tell_other_nodes(code)
     else:
         _set(Phase.FINISHED)
+        _stop_store_watch()
     return code
+
+
+def _stop_store_watch() -> None:
+    if "gpuwarden._store_watch" in sys.modules:
+        sys.modules["gpuwarden._store_watch"].stop()
+
+
+def _tell_other_nodes(code: int) -> None:
+    """Multi-node: set the job's abort key at once, so every node stops within a poll (0.5 s)
+    rather than at NCCL's watchdog. Only when this rank already holds a store client."""
+    if "gpuwarden._store_watch" not in sys.modules:
+        return
+    from gpuwarden import _store_watch
+
+    env = os.environ
+    record: dict[str, Any] = {"rank": int(env.get("RANK", "-1")), "node":
+                              int(env.get("GPUWARDEN_NODE_RANK", "0")), "pid": os.getpid(),
+                              "exit_code": code, "time": time.time()}
+    try:
+        import socket
+
+        record["host"] = socket.gethostname()
+        with open(env.get("GPUWARDEN_ERROR_FILE", ""), encoding="utf-8") as f:
+            err = json.load(f)
+        record["what"] = f"{err.get('type')}: {err.get('message')}"
+    except (OSError, ValueError):
+        record.setdefault("what", f"exit code {code}")
+    _store_watch.abort_from_rank(record)
 
 
 def _exit_now(code: int) -> None:

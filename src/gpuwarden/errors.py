@@ -25,7 +25,9 @@ Tree (exit code in brackets)::
     │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
     └── LaunchError [1]           a launch cannot start (preflight), or a job failed
-        └── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
+        ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
+        └── RendezvousError       multi-node preflight: MASTER_ADDR/PORT unusable from this node
+                                  (RDZV_DNS, RDZV_CONNECT_TIMEOUT, RDZV_CONN_REFUSED, ...)
 
 Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
 with ``raise ... from``, so the original is kept as ``__cause__``.
@@ -57,6 +59,8 @@ GPUWARDEN_CODES = {
     "RANK_STALL": "ranks waited in init_process_group or a collective longer than --stall-timeout "
     "while other ranks were missing, dead or elsewhere",
     "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
+    "NODE_ABORTED": "another node of a multi-node job failed (or its rendezvous store went away), "
+    "so this node stopped its ranks",
 }
 
 EXIT_OK = 0
@@ -276,3 +280,15 @@ class PortInUseError(LaunchError):
     """
 
     code = "RDZV_PORT_IN_USE"
+
+
+class RendezvousError(LaunchError):
+    """A multi-node launch cannot reach its rendezvous from this node (raised before any rank
+    starts). ``code`` names which failure: RDZV_DNS (MASTER_ADDR unknown to this host's
+    resolver), RDZV_CONNECT_TIMEOUT (packets dropped: a firewall, or a wrong address),
+    RDZV_CONN_REFUSED (nothing listened on MASTER_PORT for the whole window: node 0 not started,
+    a wrong port; or no route), NCCL_NO_INTERFACE (a *_SOCKET_IFNAME names no usable interface),
+    USAGE (MASTER_ADDR is loopback, or node 0 does not own it).
+    """
+
+    code = "RDZV_CONN_REFUSED"

@@ -169,6 +169,29 @@ def check_socket_ifname(var: str, value: str | None, interfaces: Mapping[str, tu
     return check(cid, code, OK, what, evidence=evidence)
 
 
+def check_route_interface(interfaces: Mapping[str, tuple[str, ...]], route_interface: str | None,
+                          master_addr: str | None, env: Mapping[str, str], nnodes: int) -> Check:
+    """Which interface carries the traffic to MASTER_ADDR, said when it matters: a multi-node
+    job on a host with several network interfaces and no *_SOCKET_IFNAME pinning one."""
+    cid, code = "route_interface", "RDZV_CONN_REFUSED"
+    if nnodes < 2 or master_addr is None:
+        return check(cid, code, SKIP, "single node: no interface between nodes to choose")
+    networks = [n for n, addrs in interfaces.items()
+                if any(net.usable_address(a) and not net.is_loopback(a) for a in addrs)]
+    if route_interface is None:
+        return check(cid, code, SKIP, f"no route from here to MASTER_ADDR {master_addr} is known")
+    pinned = [v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if env.get(v)]
+    what = (f"traffic to MASTER_ADDR {master_addr} leaves through {route_interface} "
+            f"({', '.join(interfaces.get(route_interface, ())) or 'no address'})")
+    if len(networks) > 1 and len(pinned) < 2:
+        unset = [v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v not in pinned]
+        return check(cid, code, OK, what + f"; {' and '.join(unset)} unset with "
+                     f"{len(networks)} network interfaces ({', '.join(networks)}): NCCL and Gloo "
+                     f"pick their own; set {unset[0]}={route_interface} to pin that one",
+                     evidence=_describe_ifaces(interfaces))
+    return check(cid, code, OK, what)
+
+
 def net_checks(hostname: str, hostname_resolution: net.Resolution, rdzv: RendezvousFacts,
                interfaces: Mapping[str, tuple[str, ...]], env: Mapping[str, str],
                nnodes: int) -> list[Check]:
@@ -180,4 +203,5 @@ def net_checks(hostname: str, hostname_resolution: net.Resolution, rdzv: Rendezv
                             route_interface=rdzv.route_interface),
         check_socket_ifname("GLOO_SOCKET_IFNAME", env.get("GLOO_SOCKET_IFNAME"), interfaces,
                             route_interface=rdzv.route_interface),
+        check_route_interface(interfaces, rdzv.route_interface, rdzv.addr, env, nnodes),
     ]

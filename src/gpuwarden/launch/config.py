@@ -10,11 +10,14 @@ from gpuwarden.errors import UsageError
 DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+# How long a node > 0 waits for MASTER_ADDR:MASTER_PORT to accept connections before any rank
+# starts: nodes are started by hand, ssh or Slurm within minutes of each other, not hours.
+DEFAULT_RDZV_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One single-node launch.
+    """One launch on this node (of ``nnodes``; ``node_rank`` is this node's index).
 
     ``nproc`` ranks run ``target`` (a script path, or a module name when ``module``).
     ``gpus``: None lets the host decide (GPUs when NVML shows usable ones, else CPU),
@@ -43,9 +46,18 @@ class LaunchConfig:
     quiet: bool = False
     run_id: str | None = None
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S
+    # Where the multi-node settings came from ("flags", "slurm"): said in notes and reports.
+    source: str = "flags"
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def multinode(self) -> bool:
+        return self.nnodes > 1
 
     @property
     def explicit_gpu_count(self) -> int | None:
@@ -78,6 +90,23 @@ def _validate(c: LaunchConfig) -> None:
         raise UsageError(f"--master-port {c.master_port} is not a TCP port", fix="give 1..65535")
     if c.stall_timeout_s <= 0:
         raise UsageError("--stall-timeout must be more than 0", fix="e.g. --stall-timeout 30s")
+    if c.nnodes < 1:
+        raise UsageError(f"--nnodes {c.nnodes}: a job has at least one node", fix="--nnodes 2")
+    if not 0 <= c.node_rank < c.nnodes:
+        raise UsageError(f"--node-rank {c.node_rank} is not in 0..{c.nnodes - 1} (--nnodes "
+                         f"{c.nnodes})", fix="number the nodes 0 to N-1; node 0 hosts rank 0")
+    if c.rdzv_timeout_s <= 0:
+        raise UsageError("--rdzv-timeout must be more than 0", fix="e.g. --rdzv-timeout 5m")
+    if c.multinode:
+        if c.master_port is None:
+            # Every node must use the same port: a free port picked here is unknown elsewhere.
+            raise UsageError(f"--nnodes {c.nnodes} needs --master-port (the same on every node)",
+                             fix="e.g. --master-port 29500; under Slurm it is derived from the job id")
+        if c.master_addr == DEFAULT_MASTER_ADDR:
+            raise UsageError(f"--nnodes {c.nnodes} needs --master-addr: node 0's address, the "
+                             "same on every node (127.0.0.1 is each node's own loopback)",
+                             fix="--master-addr 10.0.0.4 (node 0's address on the network the "
+                             "nodes share)")
     if not c.target:
         raise UsageError("no script to run", fix="gpuwarden launch -n 2 train.py [ARGS...]")
     if not c.module and not os.path.isfile(c.target):

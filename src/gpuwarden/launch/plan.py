@@ -9,6 +9,11 @@ standalone mode gives a worker, so torchrun scripts run unchanged, plus:
 - ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden._rank`) where to write its
   progress, error record and stack dumps.
 
+With ``--nnodes N --node-rank R`` (docs/multinode.md) ranks are numbered node by node as in
+torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORLD_SIZE`` is
+``N*K``, ``GROUP_RANK`` is R, and each rank gets ``GPUWARDEN_PEERS_FILE``, where its bootstrap's
+store watch (:mod:`gpuwarden._store_watch`) reports what it learns from the job's TCPStore.
+
 ``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: there is no agent-hosted TCPStore (hosting one
 would need torch in the supervisor); rank 0 hosts the store, as with plain ``env://``.
 """
@@ -30,13 +35,14 @@ class RankFiles:
     error: str  # JSON record of an uncaught exception
     stacks: str  # faulthandler dumps on request (SIGUSR1)
     fatal: str  # faulthandler dump on a fatal signal (SIGSEGV, SIGABRT, SIGBUS...)
+    peers: str = ""  # multi-node: what the rank's store watch saw (arrivals, abort, store lost)
 
     @classmethod
     def under(cls, run_dir: str, rank: int) -> RankFiles:
         def p(kind: str) -> str:
             return os.path.join(run_dir, f"rank{rank}.{kind}")
 
-        return cls(p("status"), p("error.json"), p("stacks"), p("fatal"))
+        return cls(p("status"), p("error.json"), p("stacks"), p("fatal"), p("peers.json"))
 
 
 @dataclass(frozen=True)
@@ -63,10 +69,25 @@ class LaunchPlan:
     run_id: str
     run_dir: str
     notes: tuple[str, ...] = ()
+    nnodes: int = 1
+    node_rank: int = 0
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks)
+        """Ranks of the whole job (every node runs as many as this one)."""
+        return len(self.ranks) * self.nnodes
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The global ranks that run on this node."""
+        return tuple(r.rank for r in self.ranks)
+
+    def spec(self, rank: int) -> RankSpec | None:
+        """This node's spec of global ``rank`` (None: it runs on another node)."""
+        return next((r for r in self.ranks if r.rank == rank), None)
+
+    def node_of(self, rank: int) -> int:
+        return rank // max(1, len(self.ranks))
 
     @property
     def on_gpu(self) -> bool:
@@ -97,17 +118,19 @@ def make_plan(
 ) -> LaunchPlan:
     """One RankSpec per rank. ``gpus`` empty: CPU ranks. Otherwise one GPU per rank, or, with
     ``config.share``, ranks spread round-robin over ``gpus``."""
-    world = rank_count(config, len(gpus))
-    if gpus and len(gpus) < world and not config.share:
-        raise ValueError(f"{world} ranks need {world} GPUs, {len(gpus)} given")  # preflight's job
+    local = rank_count(config, len(gpus))
+    if gpus and len(gpus) < local and not config.share:
+        raise ValueError(f"{local} ranks need {local} GPUs, {len(gpus)} given")  # preflight's job
+    world = local * config.nnodes
+    first = config.node_rank * local  # torchrun static: ranks numbered node by node
     argv_tail = ("-m", config.target) if config.module else (config.target,)
     argv = (python, "-m", "gpuwarden._rank", *argv_tail, *config.args)
     notes: list[str] = []
     common = {
         "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": str(local),
+        "GROUP_RANK": str(config.node_rank),
+        "GROUP_WORLD_SIZE": str(config.nnodes),
         "ROLE_NAME": "default",
         "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": config.master_addr,
@@ -124,7 +147,11 @@ def make_plan(
     }
     # Without a cap every rank starts one OpenMP thread per core: N ranks oversubscribe the
     # host N times over. torchrun sets the same default.
-    if world > 1 and "OMP_NUM_THREADS" not in base_env:
+    if config.multinode:
+        common.update({"GPUWARDEN_NNODES": str(config.nnodes),
+                       "GPUWARDEN_NODE_RANK": str(config.node_rank),
+                       "GPUWARDEN_RDZV_TIMEOUT": f"{config.rdzv_timeout_s:g}"})
+    if local > 1 and "OMP_NUM_THREADS" not in base_env:
         common["OMP_NUM_THREADS"] = "1"
     # The supervisor relays output line by line; a block-buffered pipe would hold a rank's
     # lines back until it exits, losing their order against the other ranks (and a crash's).
@@ -134,18 +161,19 @@ def make_plan(
         common["CUDA_VISIBLE_DEVICES"] = ""  # --cpu: a rank must not start CUDA by accident
     common.update(dict(config.extra_env))
 
-    assigned = [gpus[rank % len(gpus)] if gpus else None for rank in range(world)]
+    assigned = [gpus[i % len(gpus)] if gpus else None for i in range(local)]
     owners: dict[str, list[int]] = {}
-    for rank, gpu in enumerate(assigned):
+    for i, gpu in enumerate(assigned):
         if gpu is not None:
-            owners.setdefault(gpu.uuid, []).append(rank)
+            owners.setdefault(gpu.uuid, []).append(first + i)
     ranks = []
-    for rank, gpu in enumerate(assigned):
+    for i, gpu in enumerate(assigned):
+        rank = first + i
         files = RankFiles.under(run_dir, rank)
         env = dict(common)
         env.update({
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(i),
             "ROLE_RANK": str(rank),
             "TORCHELASTIC_ERROR_FILE": os.path.join(run_dir, f"rank{rank}.torchelastic.json"),
             "GPUWARDEN_STATUS_FILE": files.status,
@@ -154,22 +182,24 @@ def make_plan(
             "GPUWARDEN_FATAL_FILE": files.fatal,
             "GPUWARDEN_DEVICE": "cuda" if gpu is not None else "cpu",
         })
+        if config.multinode:
+            env["GPUWARDEN_PEERS_FILE"] = files.peers
         mates: tuple[int, ...] = ()
         if gpu is not None:
             env["GPUWARDEN_GPU"] = gpu.label
             if config.bind == "rank":
                 env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_id
             else:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(g.cuda_id for g in gpus[:world])
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(g.cuda_id for g in gpus[:local])
             mates = tuple(r for r in owners[gpu.uuid] if r != rank)
             if mates:
                 env["GPUWARDEN_SHARED_GPU"] = "1"
-        ranks.append(RankSpec(rank, rank, argv, env, gpu, files, mates))
+        ranks.append(RankSpec(rank, i, argv, env, gpu, files, mates))
     for rs in owners.values():
         if len(rs) > 1:
             notes.append(
-                f"ranks {', '.join(map(str, rs))} share {ranks[rs[0]].device_label} (--share): NCCL "
-                "refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
+                f"ranks {', '.join(map(str, rs))} share {ranks[rs[0] - first].device_label} (--share): "
+                "NCCL refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
                 "gpuwarden.distributed.init() uses gloo for them")
     return LaunchPlan(config, tuple(ranks), config.master_addr, master_port, run_id, run_dir,
-                      tuple(notes))
+                      tuple(notes), config.nnodes, config.node_rank)

@@ -18,6 +18,7 @@ from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread
 from gpuwarden.procs import describe_exit, signal_name
 
 TRACEBACK_TAIL_LINES = 12
+EXIT_NODE_ABORTED = 1
 ECHO_WINDOW_S = 2.0
 
 # What a rank prints when a *peer* went away under a collective: a consequence, not a cause.
@@ -111,6 +112,8 @@ def root_cause(failures: list[RankExit]) -> RankExit:
 def build_report(outcome: RunOutcome) -> LaunchReport:
     plan = outcome.plan
     failures = [e for e in outcome.exits.values() if e.failed and not e.stopped_by_launcher]
+    if outcome.stopped_for is not None and all(is_echo(e) for e in failures):
+        return _node_aborted_report(outcome)  # another node failed first: say which
     if failures:
         return _failure_report(outcome, root_cause(failures))
     if outcome.stall is not None and not plan.config.keep_waiting:
@@ -130,7 +133,45 @@ def _by_rank(e: RankExit) -> int:
 
 
 def _device(outcome: RunOutcome, rank: int) -> str:
-    return outcome.plan.ranks[rank].device_label
+    spec = outcome.plan.spec(rank)
+    if spec is None:
+        return f"node {outcome.plan.node_of(rank)}"
+    return spec.device_label if outcome.plan.nnodes == 1 else \
+        f"{spec.device_label}, node {outcome.plan.node_rank}"
+
+
+def _ranks_by_node(outcome: RunOutcome, ranks: list[int]) -> str:
+    """'2, 3' on one node; '2, 3 (node 1)' for ranks of another node in a multi-node job."""
+    plan = outcome.plan
+    if plan.nnodes == 1:
+        return ", ".join(map(str, ranks))
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(plan.node_of(r), []).append(r)
+    return "; ".join(f"{', '.join(map(str, rs))} (node {node})" for node, rs in sorted(groups.items()))
+
+
+def _node_aborted_report(outcome: RunOutcome) -> LaunchReport:
+    plan, peers = outcome.plan, outcome.peers
+    stopped = [_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)]
+    if outcome.stopped_for == "abort" and peers is not None and peers.abort is not None:
+        rec = peers.abort
+        host = f" on {rec['host']}" if rec.get("host") else ""
+        what = (f"rank {rec.get('rank')} (node {rec.get('node')}{host}) failed: "
+                f"{rec.get('what', 'no detail')}; this node (node {plan.node_rank}) stopped its "
+                f"{len(plan.ranks)} rank(s)")
+        why = ("the failing node set the job's abort key in the rendezvous store "
+               "(gpuwarden/abort); without it this node would wait for NCCL's watchdog "
+               "(10 min) or gloo's timeout (30 min)")
+        fix = f"the root cause is in node {rec.get('node')}'s report"
+    else:
+        lost = peers.store_lost if peers is not None else None
+        what = (f"the rendezvous store at {plan.master_addr}:{plan.master_port} went away while "
+                f"this node's ranks waited for the others; node {plan.node_rank} stopped its ranks")
+        why = (f"rank 0's process (node 0) hosts the store: node 0 failed, was stopped, or "
+               f"lost the network ({lost})")
+        fix = "the root cause is in node 0's report"
+    return LaunchReport(EXIT_NODE_ABORTED, "NODE_ABORTED", what, why, fix, stopped, [], None)
 
 
 def _rank_line(outcome: RunOutcome, e: RankExit) -> str:
@@ -195,6 +236,9 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
             echo = ", an echo of it" if is_echo(e) else ""
             line += f" (failed after rank {root.rank}{echo})"
         evidence.append(line)
+    if outcome.peers is not None and outcome.peers.abort_sent:
+        evidence.append("the other nodes were told through the job's store (gpuwarden/abort) "
+                        "and stop their ranks")
     if diag is not None:
         for item in list(getattr(diag, "evidence", []) or [])[-1:]:
             text = item[1] if isinstance(item, tuple) else getattr(item, "text", item)
@@ -207,7 +251,7 @@ def _stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
     timeout = outcome.plan.config.stall_timeout_s
     world = outcome.plan.world_size
     waiting = ", ".join(map(str, stall.waiting))
-    missing = ", ".join(map(str, stall.elsewhere))
+    missing = _ranks_by_node(outcome, stall.elsewhere)
     in_init = stall.point == "init_process_group"
     code = "RDZV_WORKERS_MISSING" if in_init else "RANK_STALL"
     what = (f"rank(s) {waiting} waited in {stall.point} for more than {timeout:g} s; "
@@ -220,8 +264,34 @@ def _stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
                "somewhere else (dead, finished, stuck, or in a different collective)")
     fix = (f"see where rank(s) {missing} are (stacks below); raise --stall-timeout if they are "
            "legitimately slow, or --keep-waiting to only report")
-    evidence = [f"rank {rank}: pid {outcome.pids.get(rank)}, {_device(outcome, rank)}, "
-                f"{stall.where.get(rank, 'unknown')}" for rank in range(world)]
+    remote_missing = [r for r in stall.elsewhere if outcome.plan.spec(r) is None]
+    if remote_missing:
+        nodes = sorted({outcome.plan.node_of(r) for r in remote_missing})
+        fix = (f"start (or look at) gpuwarden launch on node(s) {', '.join(map(str, nodes))}: its "
+               "own output says why it cannot join (its preflight names DNS, firewall or port "
+               "problems); every node needs the same --nnodes, -n, --master-addr and --master-port")
+    evidence = []
+    for rank in range(world):
+        where = stall.where.get(rank, "unknown")
+        if outcome.plan.spec(rank) is None:
+            if rank not in stall.where:
+                continue  # another node's rank that arrived: nothing to say
+            evidence.append(f"rank {rank} {where}")
+        else:
+            evidence.append(f"rank {rank}: pid {outcome.pids.get(rank)}, "
+                            f"{_device(outcome, rank)}, {where}")
+    peers = outcome.peers
+    if in_init and peers is not None and peers.arrived:
+        remote = sorted(r for r in peers.arrived if outcome.plan.spec(r) is None)
+        if remote:
+            hosts = sorted({str(peers.arrived[r].get("host")) for r in remote})
+            evidence.append(f"arrived from other nodes: rank(s) {', '.join(map(str, remote))} "
+                            f"({', '.join(hosts)})")
+    if in_init and peers is not None and not peers.reader_connected:
+        evidence.append("this node's ranks could not reach the store at "
+                        f"{outcome.plan.master_addr}:{outcome.plan.master_port}: other nodes' "
+                        "ranks are not known" + (f" ({peers.store_error})" if peers.store_error
+                                                 else ""))
     details: list[tuple[str, list[str]]] = []
     for rank in range(world):
         frames = stall.stacks.get(rank)

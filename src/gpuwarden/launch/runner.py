@@ -31,13 +31,23 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     every GPU's verdict (4), PortInUseError (RDZV_PORT_IN_USE) for a busy --master-port.
     """
     err = stderr or sys.stderr
+    if config.multinode:
+        # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
+        from dataclasses import replace
+
+        from gpuwarden.launch.rendezvous import check_rendezvous
+
+        pre = check_rendezvous(config, dict(os.environ), err=err)
+        if pre.env:
+            config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
     taken = take_gpus(config)
     own_dir = run_dir is None
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     try:
-        port = choose_port(config)
+        # Multi-node: the port was checked by the preflight (node 0: free; others: reachable).
+        port = config.master_port if config.multinode and config.master_port else choose_port(config)
         plan = make_plan(config, taken.gpus, master_port=port,
-                         run_id=config.run_id or uuid.uuid4().hex[:12], run_dir=work,
+                         run_id=config.run_id or _run_id(config), run_dir=work,
                          supervisor_pid=os.getpid(), python=sys.executable, base_env=os.environ)
         if argv_for is not None:
             plan = _with_argv(plan, argv_for(config))
@@ -63,6 +73,16 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
         taken.release()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_id(config: LaunchConfig) -> str:
+    """One id for the whole job: every node derives the same (TORCHELASTIC_RUN_ID)."""
+    if not config.multinode:
+        return uuid.uuid4().hex[:12]
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        return f"slurm-{job}"
+    return f"{config.master_addr}-{config.master_port}"
 
 
 def _with_argv(plan: LaunchPlan, argv: tuple[str, ...]) -> LaunchPlan:

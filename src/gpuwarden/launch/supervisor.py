@@ -37,6 +37,11 @@ from gpuwarden.procs import describe_exit
 
 STDERR_TAIL_LINES = 40
 _STACK_WAIT_S = 1.5
+# Multi-node: how long ranks may still wait after node 0's store went away before this node
+# stops (a normal end closes the store too, a moment before the last barrier returns).
+STORE_LOST_GRACE_S = 3.0
+ABORT_SELF_WAIT_S = 1.0  # a failing rank sets the abort key itself within milliseconds
+ABORT_HELPER_WAIT_S = 8.0  # the helper imports torch (1-3 s) and connects with a 5 s bound
 
 # Reads "+PGID" / "-PGID" lines; "done" means the supervisor finished cleanly. End of input
 # without "done" means the supervisor died: SIGKILL every group still listed.
@@ -98,6 +103,19 @@ class Stall:
 
 
 @dataclass
+class PeerView:
+    """Multi-node: what this node's ranks learned from the job's TCPStore (their peers files)."""
+
+    arrived: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> host, pid, node
+    reader_connected: bool = False  # local rank 0's watch reached the store (arrivals known)
+    abort: dict[str, Any] | None = None  # another node's failure record
+    abort_sent: bool = False  # a rank of this node set the abort key itself
+    store_lost: str | None = None
+    store_lost_at: float | None = None  # monotonic, when this supervisor saw it
+    store_error: str | None = None
+
+
+@dataclass
 class RunOutcome:
     plan: LaunchPlan
     started_at: float
@@ -107,6 +125,8 @@ class RunOutcome:
     stall: Stall | None = None
     interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" sent to the supervisor
     stop_began_at: float | None = None
+    peers: PeerView | None = None  # multi-node only
+    stopped_for: str | None = None  # "abort" (another node failed) / "store_lost"
 
 
 class _Rank:
@@ -147,6 +167,12 @@ class Supervisor:
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup_fd: int | None = None
         self.on_stall: Any = None  # callback(Stall) for --keep-waiting reports
+        self.peers: PeerView | None = PeerView() if plan.nnodes > 1 else None
+        self._stopped_for: str | None = None
+        self._abort_helper: subprocess.Popen[bytes] | None = None
+        self._abort_decided = False
+        self._peer_mtimes: dict[int, float] = {}
+        self._peer_states: dict[int, dict[str, Any]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -164,7 +190,7 @@ class Supervisor:
         exits = {r.spec.rank: r.exit for r in self.ranks if r.exit is not None}
         return RunOutcome(self.plan, started, time.monotonic(), exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
-                          self._interrupt, self._stop_began)
+                          self._interrupt, self._stop_began, self.peers, self._stopped_for)
 
     def _start_reaper(self) -> None:
         self._reaper = subprocess.Popen(
@@ -223,7 +249,13 @@ class Supervisor:
                     self._begin_stop()
                 elif now >= next_stall_check:
                     next_stall_check = now + 0.2
-                    self._check_stall(now)
+                    if self.peers is not None:
+                        self._check_peers(now)
+                    if self._stop_began is None:
+                        self._check_stall(now)
+            elif self.peers is not None and not self._abort_decided \
+                    and now - self._stop_began >= ABORT_SELF_WAIT_S:
+                self._tell_other_nodes()
             elif not self._killed and now - self._stop_began >= self.config.grace_s:
                 self._killed = True
                 for r in live:
@@ -240,6 +272,86 @@ class Supervisor:
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
                 self._signal_group(r, signal.SIGTERM)
+
+
+    # ---- multi-node ------------------------------------------------------------------------
+
+    def _check_peers(self, now: float) -> None:
+        """Read what the ranks' store watches wrote; stop on another node's abort, or when the
+        store (node 0) is gone while this node's ranks still wait for the others."""
+        view = self._read_peers(now)
+        if view.abort is not None and int(view.abort.get("node", -1)) != self.plan.node_rank:
+            self._stopped_for = "abort"
+            self._begin_stop()
+        elif view.store_lost_at is not None and now - view.store_lost_at >= STORE_LOST_GRACE_S:
+            # Node 0's normal end also closes the store: stop only ranks still *waiting* for
+            # others (init or a collective) well after it went away.
+            waiting = [st for st in (_safe_status(r) for r in self.ranks if r.exit is None)
+                       if st is not None and st.phase in (Phase.IN_INIT, Phase.IN_COLLECTIVE)]
+            if waiting:
+                self._stopped_for = "store_lost"
+                self._begin_stop()
+
+    def _read_peers(self, now: float) -> PeerView:
+        assert self.peers is not None
+        view = self.peers
+        for r in self.ranks:
+            path = r.spec.files.peers
+            try:
+                mtime = os.stat(path).st_mtime_ns
+            except OSError:
+                continue
+            if self._peer_mtimes.get(r.spec.rank) != mtime:
+                data = _read_json(path)
+                if data is not None:
+                    self._peer_mtimes[r.spec.rank] = mtime
+                    self._peer_states[r.spec.rank] = data
+        for rank, data in self._peer_states.items():
+            for key, rec in (data.get("arrived") or {}).items():
+                if str(key).isdigit() and isinstance(rec, dict):
+                    view.arrived[int(key)] = rec
+            if data.get("connected") and self.plan.spec(rank) is not None \
+                    and self.plan.spec(rank).local_rank == 0:  # type: ignore[union-attr]
+                view.reader_connected = True
+            view.abort_sent = view.abort_sent or bool(data.get("abort_sent"))
+            if data.get("store_error") and view.store_error is None:
+                view.store_error = str(data["store_error"])
+            if isinstance(data.get("abort"), dict) and view.abort is None:
+                view.abort = data["abort"]
+            if data.get("store_lost") and view.store_lost is None:
+                view.store_lost, view.store_lost_at = str(data["store_lost"]), now
+        return view
+
+    def _tell_other_nodes(self) -> None:
+        """This node stops of its own accord: set the job's abort key so every node stops.
+        A failing rank sets it itself (compare_set keeps the first), so this waits
+        ABORT_SELF_WAIT_S for the rank's word before it starts a short-lived helper, which
+        covers deaths by signal, stalls and interrupts. Node 0 needs none: its end takes the
+        store down, which the other nodes notice."""
+        if (self.peers is None or self._stopped_for is not None or self.plan.node_rank == 0
+                or self._abort_decided):
+            return
+        self._abort_decided = True
+        if self._read_peers(time.monotonic()).abort_sent or not self.peers.reader_connected:
+            return  # already told, or the store was never reached: nobody to tell
+        failing = sorted(self._failing | {r.spec.rank for r in self.ranks
+                                          if r.exit is not None and r.exit.failed})
+        if failing:
+            what = f"rank {failing[0]} failed"
+        elif self._interrupt:
+            what = f"gpuwarden received {self._interrupt}"
+        else:
+            what = "ranks stalled"
+        record = {"rank": failing[0] if failing else -1, "node": self.plan.node_rank,
+                  "host": socket.gethostname(), "pid": os.getpid(), "what": what,
+                  "time": time.time(), "from": "launcher"}
+        with contextlib.suppress(OSError):
+            self._abort_helper = subprocess.Popen(
+                [sys.executable, "-m", "gpuwarden._store_watch", "--abort", self.plan.master_addr,
+                 str(self.plan.master_port), json.dumps(record)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, close_fds=True)
+            self._tell_reaper(f"+{self._abort_helper.pid}")
 
     def _signal_group(self, rank: _Rank, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -272,6 +384,14 @@ class Supervisor:
                 with contextlib.suppress(Exception):
                     r.proc.kill()
                     r.proc.wait(5)
+        if self._stop_began is not None:
+            self._tell_other_nodes()
+        if self._abort_helper is not None:
+            try:
+                self._abort_helper.wait(ABORT_HELPER_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._abort_helper.kill()
+                self._abort_helper.wait()
         self._tell_reaper("done")
         if self._reaper is not None:
             with contextlib.suppress(OSError):
@@ -362,6 +482,10 @@ class Supervisor:
         assert ref is not None
         same = [rank for rank, st in states.items() if st is not None and st.point == ref.point]
         elsewhere = [rank for rank in states if rank not in same]
+        remote: dict[int, str] = {}
+        if ref.phase is Phase.IN_INIT and self.peers is not None:
+            remote = self._remote_missing()
+            elsewhere += sorted(remote)
         if not elsewhere:
             return  # everyone waits at the same point: a slow collective, not a missing rank
         where: dict[int, str] = {}
@@ -372,6 +496,7 @@ class Supervisor:
                 where[r.spec.rank] = f"{how} (pid {r.proc.pid})"
             elif st is not None:
                 where[r.spec.rank] = st.describe(now)
+        where.update(remote)
         point = ("init_process_group" if ref.phase is Phase.IN_INIT
                  else f"{ref.op} (collective #{ref.collectives})")
         stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
@@ -382,6 +507,20 @@ class Supervisor:
                 self.on_stall(self._stall)
         else:
             self._begin_stop()
+
+    def _remote_missing(self) -> dict[int, str]:
+        """Ranks of other nodes that have not reached init_process_group, per the store."""
+        assert self.peers is not None
+        if not self.peers.reader_connected:
+            return {}  # no word from the store: nothing can be said about other nodes
+        local = set(self.plan.local_ranks)
+        out = {}
+        for rank in range(self.plan.world_size):
+            if rank in local or rank in self.peers.arrived:
+                continue
+            out[rank] = (f"(node {self.plan.node_of(rank)}) has not reached init_process_group "
+                         "(not in the job's store); last seen: never")
+        return out
 
     def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
         """Ask each rank for a faulthandler dump (only once its handler is armed) and read it."""

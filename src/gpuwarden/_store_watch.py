@@ -1,0 +1,176 @@
+"""The rank side of multi-node diagnosis, on the TCPStore torch.distributed already runs.
+
+No second server: rank 0's ``init_process_group`` (env://) hosts a c10d TCPStore at
+MASTER_ADDR:MASTER_PORT, and every rank connects to it. When a rank enters
+``init_process_group`` the bootstrap (:mod:`gpuwarden._rank`) starts :class:`StoreWatch`, a
+daemon thread holding one more *client* of that store, opened with ``world_size=None`` and
+``wait_for_workers=False``. In torch's TCPStore.cpp such a client never touches the store's
+worker counter (``waitForWorkers`` returns at once without ``numWorkers`` and is only called
+with ``waitWorkers``), so rank 0's "N/M clients joined" count and its wait are untouched; the
+thread's keys live under ``gpuwarden/``, beside the process group's own prefixed keys.
+
+- every rank writes ``gpuwarden/rank/<r>`` = {host, pid, node} and adds 1 to
+  ``gpuwarden/arrived``: the store then knows *who* arrived, not only how many;
+- the node's local rank 0 keeps polling (0.5 s): the arrivals (until all are in), and
+  ``gpuwarden/abort``, which a node whose rank failed sets (first writer wins, compare_set);
+  a lost connection (node 0 gone) is reported too;
+- what it sees goes to ``GPUWARDEN_PEERS_FILE`` (JSON, replaced atomically), which the node's
+  supervisor reads with its progress records. The supervisor never imports torch.
+
+``python -m gpuwarden._store_watch --abort HOST PORT JSON`` sets the abort key from a short-lived
+process: the supervisor uses it when its rank died without saying so itself (a signal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+PREFIX = "gpuwarden/"
+ARRIVED_KEY = PREFIX + "arrived"
+ABORT_KEY = PREFIX + "abort"
+POLL_S = 0.5
+
+
+def rank_key(rank: int) -> str:
+    return f"{PREFIX}rank/{rank}"
+
+
+def _client(host: str, port: int, timeout_s: float) -> Any:
+    from torch.distributed import TCPStore
+
+    # world_size=None + wait_for_workers=False: not counted as a worker (see module docstring).
+    return TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def set_abort(store: Any, record: dict[str, Any]) -> None:
+    """Set the abort key unless another node already did: the first failure is the root cause."""
+    store.compare_set(ABORT_KEY, "", json.dumps(record))
+
+
+class StoreWatch(threading.Thread):
+    def __init__(self, env: dict[str, str] | os._Environ[str]) -> None:
+        super().__init__(name="gpuwarden-store-watch", daemon=True)
+        self.host = env["MASTER_ADDR"]
+        self.port = int(env["MASTER_PORT"])
+        self.rank = int(env["RANK"])
+        self.world = int(env["WORLD_SIZE"])
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.node = int(env.get("GPUWARDEN_NODE_RANK", "0"))
+        self.peers_file = env["GPUWARDEN_PEERS_FILE"]
+        self.timeout_s = float(env.get("GPUWARDEN_RDZV_TIMEOUT", "300"))
+        self.store: Any = None
+        self.stopping = threading.Event()
+        self.state: dict[str, Any] = {"rank": self.rank, "connected": False, "arrived": {}}
+        self._lock = threading.Lock()
+
+    def _publish(self, **changes: Any) -> None:
+        with self._lock:
+            self.state.update(changes)
+            self.state["updated"] = time.time()
+            tmp = f"{self.peers_file}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.state, f)
+            os.replace(tmp, self.peers_file)
+
+    def run(self) -> None:
+        try:
+            self.store = _client(self.host, self.port, self.timeout_s)
+            me = {"host": socket.gethostname(), "pid": os.getpid(), "node": self.node,
+                  "time": time.time()}
+            self.store.set(rank_key(self.rank), json.dumps(me))
+            self.store.add(ARRIVED_KEY, 1)
+        except Exception as exc:  # the rank's own init reports the same failure, with its words
+            self._publish(store_error=f"{type(exc).__name__}: {exc}")
+            return
+        self._publish(connected=True)
+        if self.local_rank != 0:
+            return  # one watcher per node is enough; keep the client for set_abort
+        self._watch()
+
+    def _watch(self) -> None:
+        arrived: dict[str, Any] = {}
+        count = 0
+        while True:
+            try:
+                if self.store.check([ABORT_KEY]):
+                    record = json.loads(self.store.get(ABORT_KEY).decode() or "{}")
+                    self._publish(abort=record)
+                    return
+                if count < self.world:
+                    now = int(self.store.add(ARRIVED_KEY, 0))
+                    if now != count:
+                        count = now
+                        for r in range(self.world):
+                            if str(r) not in arrived and self.store.check([rank_key(r)]):
+                                arrived[str(r)] = json.loads(self.store.get(rank_key(r)).decode())
+                        self._publish(arrived=dict(arrived))
+            except Exception as exc:  # DistNetworkError: the store (rank 0's process) is gone
+                if not self.stopping.is_set():
+                    self._publish(store_lost=f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                                  store_lost_at=time.time())
+                return
+            if self.stopping.wait(POLL_S):
+                return
+
+    def abort(self, record: dict[str, Any]) -> bool:
+        """Tell every node this job failed (called by the failing rank itself). True when sent."""
+        if self.store is None:
+            return False
+        try:
+            set_abort(self.store, record)
+        except Exception:
+            return False
+        self._publish(abort_sent=True)
+        return True
+
+
+_watch: StoreWatch | None = None
+
+
+def start(env: dict[str, str] | os._Environ[str]) -> None:
+    """Start the watch once per process (init_process_group may be called again)."""
+    global _watch
+    if _watch is None and env.get("GPUWARDEN_PEERS_FILE"):
+        _watch = StoreWatch(env)
+        _watch.start()
+
+
+def stop() -> None:
+    """The script leaves the process group (or ends): stop polling first, so that rank 0's
+    store going away on purpose is not mistaken for node 0 dying."""
+    if _watch is not None:
+        _watch.stopping.set()
+        if _watch is not threading.current_thread():
+            _watch.join(timeout=2 * POLL_S)
+
+
+def abort_from_rank(record: dict[str, Any]) -> bool:
+    if _watch is None:
+        return False
+    _watch.join(timeout=0.0)
+    return _watch.abort(record)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 4 or argv[0] != "--abort":
+        print("usage: python -m gpuwarden._store_watch --abort HOST PORT JSON", file=sys.stderr)
+        return 2
+    host, port, record = argv[1], int(argv[2]), json.loads(argv[3])
+    try:
+        set_abort(_client(host, port, 5.0), record)
+    except Exception as exc:
+        print(f"gpuwarden: could not tell the other nodes through {host}:{port}: {exc}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
