@@ -96,9 +96,11 @@ def test_node_never_started_is_named_by_node_0(hosts: Hosts) -> None:
     _no_leftovers(hosts)
 
 
-def test_rank_crash_on_node_1_stops_both_nodes(hosts: Hosts) -> None:
+def test_rank_crash_on_node_1_stops_both_nodes(hosts: Hosts, tmp_path: Path) -> None:
     port, grace_s = next(_port), 3.0
-    env = {"CRASH_RANK": "3"}  # the others sleep 120 s outside any collective
+    stamp = tmp_path / "crash-time"
+    # the others sleep 120 s outside any collective; rank 3 writes when it crashes
+    env = {"CRASH_RANK": "3", "CRASH_STAMP": str(stamp)}
     start = time.monotonic()
     results = _finish([_launch(hosts, 0, port, "--grace", f"{grace_s:g}s", env=env),
                        _launch(hosts, 1, port, "--grace", f"{grace_s:g}s", env=env)])
@@ -106,6 +108,9 @@ def test_rank_crash_on_node_1_stops_both_nodes(hosts: Hosts) -> None:
     assert code1 == 1 and "rank 3 failed first: RuntimeError: rank 3 crashed on purpose" in text1
     assert code0 == 1 and "error[NODE_ABORTED]" in text0, text0
     assert "rank 3 (node 1" in text0 and "crashed on purpose" in text0
-    assert abs(end0 - end1) < grace_s + 2.0
+    crashed_at = float(stamp.read_text())
+    # both launchers, on both nodes, are gone within grace + 2 s of the crash
+    assert end1 - crashed_at < grace_s + 2.0, f"node 1 exited {end1 - crashed_at:.1f} s after the crash"
+    assert end0 - crashed_at < grace_s + 2.0, f"node 0 exited {end0 - crashed_at:.1f} s after the crash"
     assert max(end0, end1) - start < 40, "the job was not stopped early"
     _no_leftovers(hosts)

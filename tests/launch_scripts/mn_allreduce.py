@@ -14,6 +14,9 @@ crash = os.environ.get("CRASH_RANK")
 if crash is not None:
     if rank == int(crash):
         time.sleep(0.5)
+        if os.environ.get("CRASH_STAMP"):  # CLOCK_MONOTONIC is one clock for the whole machine
+            with open(os.environ["CRASH_STAMP"], "w") as stamp:
+                stamp.write(repr(time.monotonic()))
         raise RuntimeError(f"rank {rank} crashed on purpose")
     time.sleep(120)
 x = torch.tensor([float(rank + 1)])
