@@ -1,7 +1,7 @@
 import pytest
 
 from gpuwarden.errors import UsageError
-from gpuwarden.units import format_bytes, parse_duration, parse_size
+from gpuwarden.units import format_bytes, format_duration, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -50,3 +50,21 @@ def test_format_bytes() -> None:
     assert format_bytes(71200 * 1024**2) == "69.5 GiB"
     assert format_bytes(512 * 1024**2) == "512 MiB"
     assert format_bytes(None) == "?"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(3.25, "3.2s"), (42, "42s"), (119.7, "2m00s"), (599.7, "10m00s"), (3725, "1h02m")],
+)
+def test_format_duration_never_prints_60_seconds(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_short_command_keeps_the_script_name() -> None:
+    from gpuwarden.procs import short_command
+
+    argv = ["/usr/bin/python3", "/very/long/path/" + "x" * 80 + "/4-rendezvous/port_holder.py", "29500"]
+    short = short_command(argv)
+    assert len(short) == 80 and short.startswith("/usr/bin/python3")
+    assert short.endswith("port_holder.py 29500")
+    assert short_command(["python", "a.py"]) == "python a.py"

@@ -50,3 +50,13 @@ def status_to_returncode(status: int) -> int:
     if os.WIFSIGNALED(status):
         return -os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
+
+
+def short_command(argv: list[str], width: int = 80) -> str:
+    """A command line cut to ``width`` characters in the middle: the program and the end (where
+    the script and its arguments are) say more than a long path prefix."""
+    text = " ".join(argv)
+    if len(text) <= width:
+        return text
+    head = width // 3
+    return f"{text[:head]}…{text[-(width - head - 1):]}"

@@ -14,6 +14,7 @@ from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
+from gpuwarden.procs import short_command
 from gpuwarden.select import Constraints
 
 
@@ -122,7 +123,7 @@ def _port_holders(port: int) -> list[str]:
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
             try:
                 proc = psutil.Process(conn.pid) if conn.pid else None
-                who = f"pid {proc.pid} ({' '.join(proc.cmdline())[:80]})" if proc else "a process"
+                who = f"pid {proc.pid} ({short_command(proc.cmdline())})" if proc else "a process"
             except psutil.Error:
                 who = f"pid {conn.pid}"
             out.append(f"{who} listens on {conn.laddr.ip}:{port}")
