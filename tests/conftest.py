@@ -10,21 +10,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpuwarden.inventory import real_gpu_present
+
 SCENARIOS = Path(__file__).parent / "scenarios"
 EXAMPLE_SCENARIO = Path(__file__).resolve().parents[2] / "shared" / "scenarios" / "example.json"
 
 
-def _real_gpu_present() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount()) > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,7 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any("gpu" in item.keywords for item in items) and not _real_gpu_present():
+    if any("gpu" in item.keywords for item in items) and not real_gpu_present():
         skip = pytest.mark.skip(reason="needs a real NVIDIA GPU (NVML reports none here)")
         for item in items:
             if "gpu" in item.keywords:

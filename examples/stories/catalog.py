@@ -76,17 +76,10 @@ def run(story_run: StoryRun, extra_env: dict[str, str] | None = None) -> Outcome
 
 
 def has_gpu() -> bool:
-    """Whether NVML reports a GPU here (the stories' own test for their GPU-only parts)."""
-    try:
-        import pynvml
+    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
+    from gpuwarden.inventory import real_gpu_present
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount()) > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
+    return real_gpu_present()
 
 
 def explain_code(text: str) -> str:

@@ -24,16 +24,10 @@ SKIP_EXIT = 77
 
 
 def has_gpu() -> bool:
-    try:
-        import pynvml
+    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
+    from gpuwarden.inventory import real_gpu_present
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount()) > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
+    return real_gpu_present()
 
 
 def worker(rank: int, world_size: int, set_device: bool) -> None:

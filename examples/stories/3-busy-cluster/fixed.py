@@ -34,16 +34,10 @@ GPUWARDEN = [sys.executable, "-m", "gpuwarden"]
 
 
 def has_gpu() -> bool:
-    try:
-        import pynvml
+    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
+    from gpuwarden.inventory import real_gpu_present
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount()) > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
+    return real_gpu_present()
 
 
 def show(title: str, argv: list[str], env: dict[str, str], expect_exit: set[int]) -> tuple[bool, str]:

@@ -23,6 +23,7 @@ __all__ = [
     "get_backend",
     "read_host",
     "read_visible",
+    "real_gpu_present",
     "SIMULATE_ENV",
 ]
 
@@ -62,3 +63,18 @@ def read_visible(env: Mapping[str, str] | None = None) -> tuple[HostSnapshot, tu
     env = os.environ if env is None else env
     host = read_host(env)
     return host, resolve_visible(host.gpus, env)
+
+
+def real_gpu_present() -> bool:
+    """Whether NVML (never the simulated host) reports at least one GPU on this machine.
+
+    For code that must decide whether GPU-only work can run at all (gpu-marked tests, the
+    stories' GPU parts); it never raises and never creates a CUDA context.
+    """
+    from gpuwarden.errors import GpuwardenError
+    from gpuwarden.inventory.nvml import NvmlBackend
+
+    try:
+        return bool(NvmlBackend().read_host().gpus)
+    except GpuwardenError:
+        return False
