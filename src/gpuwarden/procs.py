@@ -60,3 +60,72 @@ def short_command(argv: list[str], width: int = 80) -> str:
         return text
     head = width // 3
     return f"{text[:head]}…{text[-(width - head - 1):]}"
+
+
+# The reaper reads "+PGID" / "-PGID" lines; "done" means its owner finished cleanly. End of input
+# without "done" means the owner died (SIGKILL, OOM killer): SIGKILL every group still listed.
+_REAPER_SOURCE = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    line = line.strip()
+    if line == "done":
+        sys.exit(0)
+    if line[:1] == "+":
+        groups.add(int(line[1:]))
+    elif line[:1] == "-":
+        groups.discard(int(line[1:]))
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class GroupReaper:
+    """A tiny watcher process that SIGKILLs the registered process groups if its owner dies.
+
+    PR_SET_PDEATHSIG reaches only a direct child; a rank's or a command's own children live on
+    in its process group, and no cleanup code runs when the owner is SIGKILLed. The watcher is
+    a fresh interpreter (``python -S``, no fork of a process that may have threads or lease
+    locks), in its own session so a signal to the owner's group spares it, and it learns of
+    the owner's death from end of input on its stdin.
+    """
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", _REAPER_SOURCE], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _tell(self, line: str) -> None:
+        if self._proc.stdin is not None:
+            try:
+                self._proc.stdin.write(f"{line}\n".encode())
+                self._proc.stdin.flush()
+            except OSError:
+                pass
+
+    def add(self, pgid: int) -> None:
+        self._tell(f"+{pgid}")
+
+    def remove(self, pgid: int) -> None:
+        self._tell(f"-{pgid}")
+
+    def close(self) -> None:
+        """The owner is finishing cleanly: the watcher exits without killing anything."""
+        import subprocess
+
+        self._tell("done")
+        if self._proc.stdin is not None:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()

@@ -16,6 +16,7 @@ from typing import Any
 from gpuwarden.cli._output import note
 from gpuwarden.cli.select import add_constraint_args, constraints_from_args
 from gpuwarden.errors import UsageError
+from gpuwarden.procs import GroupReaper
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
@@ -91,7 +92,8 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     except PermissionError as exc:
         raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
     pgid = child.pid
-    guard_pid, guard_fd = _start_guard(pgid)
+    reaper = GroupReaper()  # kills the command's group if gpuwarden itself is SIGKILLed
+    reaper.add(pgid)
     try:
         with _foreground(pgid), _forwarding(pgid):
             while True:
@@ -102,41 +104,8 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
                     continue
         _reap_group(pgid)
     finally:
-        with contextlib.suppress(OSError):
-            os.write(guard_fd, b"done")  # the guard exits without killing anything
-        os.close(guard_fd)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(guard_pid, 0)
+        reaper.close()
     return returncode if returncode >= 0 else 128 - returncode
-
-
-def _start_guard(pgid: int) -> tuple[int, int]:
-    """A forked watcher that SIGKILLs the command's group if gpuwarden dies first.
-
-    PDEATHSIG reaches only the direct child; the guard covers the grandchildren (a
-    shell script's jobs) when gpuwarden itself is SIGKILLed and no cleanup code runs.
-    It learns of that death from a pipe: EOF without the "done" byte. Forking is safe
-    here: this process never initialized CUDA, and lease descriptors are closed in a
-    forked child (gpuwarden.lease._fs.forget_in_child), so the guard holds no lease.
-    """
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(read_fd)
-        return pid, write_fd
-    try:  # the guard: only os calls, then os._exit
-        for sig in FORWARDED:
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(sig, signal.SIG_IGN)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(devnull, fd)  # never keep the caller's pipes open
-        os.closerange(3, read_fd)
-        os.closerange(read_fd + 1, 65536)
-        if not os.read(read_fd, 4):
-            os.killpg(pgid, signal.SIGKILL)
-    finally:
-        os._exit(0)
 
 
 def _child_setup_fn() -> Callable[[], None]:

@@ -33,7 +33,7 @@ from typing import IO, Any, TextIO
 
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.status import STACK_SIGNAL_NAME, Phase, RankStatus, StatusReader
-from gpuwarden.procs import describe_exit
+from gpuwarden.procs import GroupReaper, describe_exit
 
 STDERR_TAIL_LINES = 40
 _STACK_WAIT_S = 1.5
@@ -42,26 +42,6 @@ _STACK_WAIT_S = 1.5
 STORE_LOST_GRACE_S = 3.0
 ABORT_SELF_WAIT_S = 1.0  # a failing rank sets the abort key itself within milliseconds
 ABORT_HELPER_WAIT_S = 8.0  # the helper imports torch (1-3 s) and connects with a 5 s bound
-
-# Reads "+PGID" / "-PGID" lines; "done" means the supervisor finished cleanly. End of input
-# without "done" means the supervisor died: SIGKILL every group still listed.
-_REAPER = """
-import os, signal, sys
-groups = set()
-for line in sys.stdin:
-    line = line.strip()
-    if line == "done":
-        sys.exit(0)
-    if line[:1] == "+":
-        groups.add(int(line[1:]))
-    elif line[:1] == "-":
-        groups.discard(int(line[1:]))
-for g in groups:
-    try:
-        os.killpg(g, signal.SIGKILL)
-    except OSError:
-        pass
-"""
 
 
 @dataclass
@@ -161,7 +141,7 @@ class Supervisor:
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
         self._stall: Stall | None = None
         self._stall_reported = False
-        self._reaper: subprocess.Popen[bytes] | None = None
+        self._reaper: GroupReaper | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -180,7 +160,7 @@ class Supervisor:
         started = time.monotonic()
         self._install_signals()
         try:
-            self._start_reaper()
+            self._reaper = GroupReaper()
             for spec in self.plan.ranks:
                 self._start(spec)
             self._loop()
@@ -192,16 +172,9 @@ class Supervisor:
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
                           self._interrupt, self._stop_began, self.peers, self._stopped_for)
 
-    def _start_reaper(self) -> None:
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-S", "-c", _REAPER], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def _tell_reaper(self, line: str) -> None:
-        if self._reaper is not None and self._reaper.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._reaper.stdin.write(f"{line}\n".encode())
-                self._reaper.stdin.flush()
+    def _reap_if_we_die(self, pgid: int) -> None:
+        if self._reaper is not None:
+            self._reaper.add(pgid)
 
     def _start(self, spec: RankSpec) -> None:
         status = StatusReader(spec.files.status)
@@ -214,7 +187,7 @@ class Supervisor:
             list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
         rank = _Rank(spec, proc, status, time.monotonic())
-        self._tell_reaper(f"+{rank.pgid}")
+        self._reap_if_we_die(rank.pgid)
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             rank.log = open(os.path.join(self.config.log_dir, f"rank{spec.rank}.log"), "w",  # noqa: SIM115
@@ -351,7 +324,7 @@ class Supervisor:
                  str(self.plan.master_port), json.dumps(record)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, close_fds=True)
-            self._tell_reaper(f"+{self._abort_helper.pid}")
+            self._reap_if_we_die(self._abort_helper.pid)
 
     def _signal_group(self, rank: _Rank, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -392,13 +365,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self._abort_helper.kill()
                 self._abort_helper.wait()
-        self._tell_reaper("done")
         if self._reaper is not None:
-            with contextlib.suppress(OSError):
-                assert self._reaper.stdin is not None
-                self._reaper.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._reaper.wait(5)
+            self._reaper.close()
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)
         self._sel.close()
