@@ -81,6 +81,18 @@ def test_simulated_two_gpu_host_gives_each_rank_its_own_gpu(scenario) -> None:  
     assert {r.env["CUDA_VISIBLE_DEVICES"] for r in bind_all.ranks} == {",".join(cvd)}
 
 
+def test_launch_reads_the_gpus_once(scenario, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The preflight's snapshot feeds the lease's first attempt: NVML is read once per launch.
+    from gpuwarden.inventory.simulated import SimulatedBackend
+
+    scenario("two_gpu")
+    reads = []
+    real = SimulatedBackend.read_host
+    monkeypatch.setattr(SimulatedBackend, "read_host", lambda self: reads.append(1) or real(self))
+    assert len(taken_gpus(cfg(nproc=2))) == 2
+    assert len(reads) == 1
+
+
 def test_more_ranks_than_usable_gpus_is_refused_with_a_reason_per_gpu(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("two_gpu")
     with pytest.raises(ConstraintError) as info:

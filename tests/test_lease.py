@@ -63,6 +63,17 @@ def test_grant_names_gpus_for_the_child_and_release_is_idempotent(scenario, leas
         pass
 
 
+def test_a_callers_fresh_snapshot_serves_the_first_attempt(scenario, lease_dir, monkeypatch):
+    from gpuwarden.inventory import read_visible
+
+    scenario("two_gpu")
+    _host, visible = read_visible()
+    # Were the GPUs read again, this scenario path would fail the request.
+    monkeypatch.setenv("GPUWARDEN_SIMULATE", "/nonexistent/scenario.json")
+    with acquire(2, visible=visible) as grant:
+        assert grant.visible_devices == "0,1"
+
+
 def test_same_process_cannot_be_granted_its_own_slot_twice(scenario, lease_dir):
     scenario("two_idle")
     a = acquire(1)

@@ -199,8 +199,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
     notebook) with gpuwarden launch's binding, supervision, report and teardown; return each
     rank's return value in rank order.
 
-    ``fn`` may be defined in a notebook when cloudpickle is installed (joblib ships one); else it
-    must be importable. Raises SpawnError carrying the launch report when a rank fails or stalls,
+    ``fn`` may be defined in a notebook: it travels by value (cloudpickle). Raises SpawnError carrying the launch report when a rank fails or stalls,
     ConstraintError when there are fewer usable GPUs than ``nprocs``.
     """
     import sys
@@ -236,11 +235,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
 
 
 def _pickler() -> Any:
-    import importlib
+    # By value, as the pool sends tasks: a notebook's functions live in __main__, which a
+    # spawned rank cannot import.
+    import cloudpickle
 
-    for name in ("cloudpickle", "joblib.externals.cloudpickle"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return pickle
+    return cloudpickle

@@ -66,10 +66,11 @@ def take_gpus(config: LaunchConfig) -> TakenGPUs:
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
         # (no --wait) or ever (more GPUs than visible).
         raise _more_ranks_than_gpus(now.error(), world, want)
-    return _take_gpus(want, constraints, config, world)
+    return _take_gpus(want, constraints, config, world, visible)
 
 
-def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world: int) -> TakenGPUs:
+def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world: int,
+               visible: tuple[GPUSnapshot, ...]) -> TakenGPUs:
     """Lease the GPUs (gpuwarden.lease): the pick and the claim are one atomic step between
     jobs on this host, and ``--wait`` waits in line. The grant is held by this (supervising)
     process; ranks never inherit its lock files (they are started with ``close_fds``)."""
@@ -77,7 +78,8 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
 
     try:
         grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
-                        constraints=constraints, label=f"gpuwarden launch {config.target}")
+                        constraints=constraints, label=f"gpuwarden launch {config.target}",
+                        visible=visible)
     except ConstraintError as exc:
         raise _more_ranks_than_gpus(exc, world, count) from exc
     return TakenGPUs(tuple(grant.gpus), (), grant.release)

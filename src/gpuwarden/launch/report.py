@@ -182,16 +182,14 @@ def _rank_line(outcome: RunOutcome, e: RankExit) -> str:
 
 
 def _explain(text: str) -> Any:
-    """explain's primary diagnosis when it knows the text, else None (explain may be absent)."""
-    try:
-        from gpuwarden.explain import explain_text  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
+    """explain's primary diagnosis when it knows the text, else None."""
+    from gpuwarden.explain import explain_text
+
     try:
         primary = explain_text(text).primary
     except Exception:  # the report must not fail because a diagnosis did
         return None
-    return None if getattr(primary, "code", "NONE") in (None, "NONE") else primary
+    return None if primary.code == "NONE" else primary
 
 
 def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:

@@ -424,13 +424,16 @@ def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_pe
             slots_each: int = 1, wait: str | float | None = None,
             constraints: Constraints | None = None, label: str | None = None,
             on_wait: OnWait | None = None, lease_dir: str | Path | None = None,
-            env: Mapping[str, str] | None = None) -> Grant:
+            env: Mapping[str, str] | None = None,
+            visible: Sequence[GPUSnapshot] | None = None) -> Grant:
     """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each) and return the Grant.
 
     ``wait``: None or 0 tries once; a duration ("10m", seconds, ``math.inf``) waits in
     line that long. ``constraints`` are select.py's (memory, utilization, include/exclude,
     allow_shared); ``n`` and ``min_free`` override its count and raise its minimum.
     ``on_wait(WaitStatus)`` is called after every attempt that could not be served.
+    ``visible``: the visible GPUs as the caller has just read them, used for the first attempt
+    instead of reading NVML again (while waiting, GPU state is re-read).
 
     Raises:
         LeaseUnavailableError (exit 4): not served at once and no ``wait`` given, or the
@@ -446,17 +449,18 @@ def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_pe
         dict(env) if env is not None else None))
     waiter = _Waiter(req, directory)
     try:
-        return _acquire(waiter, env, on_wait)
+        return _acquire(waiter, env, on_wait, visible)
     finally:
         if waiter.ticket is not None:
             waiter.ticket.remove()
 
 
-def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None) -> Grant:
+def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
+             visible: Sequence[GPUSnapshot] | None) -> Grant:
     req = waiter.request
     start = time.monotonic()
     wait_s = req.wait_s or 0.0
-    gpus = _read_gpus(env)
+    gpus = tuple(visible) if visible is not None else _read_gpus(env)
     if len(gpus) < req.gpus:
         raise LeaseUnavailableError(
             f"{req.describe()} requested, but only {len(gpus)} GPU(s) are visible",

@@ -70,10 +70,8 @@ def _acquire(visible: tuple[GPUSnapshot, ...], constraints: Constraints, workers
              *, wait: float | str | None, label: str) -> TakenGPUs:
     """Lease the GPUs (one slot per worker, every slot of each GPU) through gpuwarden.lease,
     so that two pools or jobs on this host never pick the same GPU at the same moment."""
-    try:
-        from gpuwarden.lease import acquire  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:  # before the lease module is merged: selection only
-        return TakenGPUs(select(visible, constraints).require(), _nothing)
+    from gpuwarden.lease import acquire
+
     grant = acquire(constraints.count, slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
-                    wait=wait, constraints=constraints, label=label)
+                    wait=wait, constraints=constraints, label=label, visible=visible)
     return TakenGPUs(tuple(grant.gpus), grant.release)
