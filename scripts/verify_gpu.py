@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -122,30 +121,15 @@ def run_command(name: str, argv: list[str], *, cwd: Path, env: dict[str, str], t
                 groups: Groups, logs: Path) -> Result:
     """Run one command in its own session, bounded, output to logs/<name>.log; kill its group."""
     log_path = logs / f"{_slug(name)}.log"
-    start = time.monotonic()
-    timed_out = False
     if timeout_s <= 0:
         log_path.write_text("not run: no time left in the budget\n")
         return Result(name, argv, None, 0.0, True, str(log_path.relative_to(logs.parent)))
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
-    groups.alive.add(proc.pid)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
-        except ProcessLookupError:
-            pass
-        groups.alive.discard(proc.pid)
-    seconds = time.monotonic() - start
-    log_path.write_text(f"$ {' '.join(argv)}\n(cwd {cwd}, exit {proc.returncode}, {seconds:.1f} s"
+    exit_code, out, seconds, timed_out = catalog.run_in_session(
+        argv, cwd=cwd, env=env, timeout_s=timeout_s, on_start=groups.alive.add,
+        on_end=groups.alive.discard)
+    log_path.write_text(f"$ {' '.join(argv)}\n(cwd {cwd}, exit {exit_code}, {seconds:.1f} s"
                         f"{', killed at the deadline' if timed_out else ''})\n\n{out}")
-    return Result(name, argv, proc.returncode, seconds, timed_out,
+    return Result(name, argv, exit_code, seconds, timed_out,
                   str(log_path.relative_to(logs.parent)), out)
 
 
