@@ -50,11 +50,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     if not os.environ.get("GPUWARDEN_SIMULATE"):
-        try:
-            import pynvml
+        from gpuwarden.inventory import real_gpu_present
 
-            pynvml.nvmlInit()
-        except Exception:
+        if not real_gpu_present():
             os.environ["GPUWARDEN_SIMULATE"] = str(ROOT / "tests/scenarios/two_gpu.json")
     warnings.simplefilter("ignore")
     logging.getLogger("gpuwarden.pool").setLevel(logging.ERROR)  # the crash drill below

@@ -141,42 +141,16 @@ def _slug(name: str) -> str:
 
 
 def nvml_facts() -> dict[str, Any]:
-    """Driver, CUDA driver version and GPUs from NVML (queries only)."""
-    try:
-        import pynvml
-    except ImportError:
-        return {"error": "nvidia-ml-py is not installed"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:
-        return {"error": f"NVML: {exc}"}
-    try:
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
-        facts: dict[str, Any] = {
-            "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
-            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
-            "gpus": [],
-        }
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            facts["gpus"].append({
-                "index": i, "name": _text(pynvml.nvmlDeviceGetName(h)),
-                "memory_total_bytes": int(mem.total), "memory_used_bytes": int(mem.used),
-                "compute_mode": int(pynvml.nvmlDeviceGetComputeMode(h)),
-            })
-        return facts
-    except Exception as exc:
-        return {"error": f"NVML query failed: {exc}"}
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    """Driver, CUDA driver version and GPUs, read through gpuwarden's own NVML backend."""
+    from gpuwarden.errors import GpuwardenError
+    from gpuwarden.inventory.nvml import NvmlBackend
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    try:
+        host = NvmlBackend().read_host()
+    except GpuwardenError as exc:
+        return {"error": exc.what}
+    return {"driver": host.driver_version, "cuda_driver": host.cuda_driver_version,
+            "gpus": [g.to_dict() for g in host.gpus]}
 
 
 def gpu_count(facts: dict[str, Any]) -> int:

@@ -95,13 +95,6 @@ def run(story_run: StoryRun, extra_env: dict[str, str] | None = None) -> Outcome
         env=env, timeout_s=story_run.timeout_s)
     return Outcome(story_run, code, output, seconds, timed_out)
 
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
-
-
 def explain_code(text: str) -> str:
     """``gpuwarden explain``'s primary failure code for ``text``."""
     from gpuwarden.explain import explain_text
