@@ -24,6 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Re-exported: the story tests and verify-gpu ask the catalog whether GPU parts can run.
+from gpuwarden.inventory import real_gpu_present as has_gpu  # noqa: F401
+
 STORIES_DIR = Path(__file__).resolve().parent
 SKIP_EXIT = 77
 
