@@ -68,6 +68,10 @@ print(json.dumps(out))
 class Interrupted(Exception):
     """SIGTERM/SIGINT/SIGHUP reached verify-gpu: stop, clean up, write what we have."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
 
 @dataclass
 class Groups:
@@ -232,7 +236,7 @@ def stage_stories(ctx: Context) -> list[dict[str, Any]]:
                       catalog.STORIES_DIR / run.story, min(run.timeout_s, ctx.left("stories")))
         code = None
         if res.exit_code not in (0, None, catalog.SKIP_EXIT):
-            code = explain(res.output)
+            code = catalog.explain_code(res.output)
         verdict = story_verdict(run, res, code)
         rows.append({"story": run.story, "script": run.script, "args": list(run.args),
                      "gpu_only": run.gpu_only, "exit_code": res.exit_code,
@@ -241,10 +245,6 @@ def stage_stories(ctx: Context) -> list[dict[str, Any]]:
                      "verdict": verdict, "ok": verdict == "ok" or verdict.startswith("skipped"),
                      "log": res.log})
     return rows
-
-
-def explain(text: str) -> str:
-    return catalog.explain_code(text)
 
 
 def gpu_benchmarks(bench_dir: Path) -> list[tuple[Path, list[str]]]:
@@ -316,6 +316,7 @@ def run_all(ctx: Context, stages: list[str]) -> dict[str, Any]:
             report["benchmarks"] = stage_benchmarks(ctx)
     except Interrupted as exc:
         report["interrupted"] = str(exc)
+        report["interrupted_signal"] = exc.signum
     except Exception:  # a bug here must still leave a report and no process behind
         import traceback
 
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(out, args.python, args.budget_s, nvml, stories)
 
     def interrupt(signum: int, _frame: Any) -> None:
-        raise Interrupted(f"received {signal.Signals(signum).name}")
+        raise Interrupted(signum)
 
     old_handlers = {sig: signal.signal(sig, interrupt)
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"verify-gpu: {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']} s; "
           f"report: {out / 'report.md'}", file=sys.stderr)
     if report.get("interrupted"):
-        return 128 + int(getattr(signal, report["interrupted"].split()[-1], signal.SIGTERM))
+        return 128 + int(report["interrupted_signal"])
     return 0 if report["ok"] else 1
 
 
