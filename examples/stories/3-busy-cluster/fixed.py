@@ -157,7 +157,11 @@ def simulated() -> list[bool]:
 def real() -> list[bool]:
     env = dict(os.environ)
     env.pop("GPUWARDEN_SIMULATE", None)
-    hog = subprocess.Popen([sys.executable, "hog.py", "--leave-gib", "6"], cwd=HERE,
+    # The hog fills one GPU; every step of the story looks at that GPU alone, so on a host with
+    # several GPUs the job cannot simply land on another one and "not wait".
+    env.update(CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+               CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    hog = subprocess.Popen([sys.executable, "hog.py", "--leave-gib", "6"], cwd=HERE, env=env,
                            stdout=subprocess.PIPE, text=True, start_new_session=True)
 
     def end_hog() -> None:
