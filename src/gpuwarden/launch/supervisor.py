@@ -226,13 +226,16 @@ class Supervisor:
                         self._check_peers(now)
                     if self._stop_began is None:
                         self._check_stall(now)
-            elif self.peers is not None and not self._abort_decided \
-                    and now - self._stop_began >= ABORT_SELF_WAIT_S:
-                self._tell_other_nodes()
-            elif not self._killed and now - self._stop_began >= self.config.grace_s:
-                self._killed = True
-                for r in live:
-                    self._signal_group(r, signal.SIGKILL)
+            else:
+                # Two independent steps of a stop: telling the other nodes must never hold
+                # back the SIGKILL of ranks that ignore SIGTERM.
+                if self.peers is not None and not self._abort_decided \
+                        and now - self._stop_began >= ABORT_SELF_WAIT_S:
+                    self._tell_other_nodes()
+                if not self._killed and now - self._stop_began >= self.config.grace_s:
+                    self._killed = True
+                    for r in live:
+                        self._signal_group(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment).
         deadline = time.monotonic() + 0.3
@@ -301,10 +304,12 @@ class Supervisor:
         ABORT_SELF_WAIT_S for the rank's word before it starts a short-lived helper, which
         covers deaths by signal, stalls and interrupts. Node 0 needs none: its end takes the
         store down, which the other nodes notice."""
-        if (self.peers is None or self._stopped_for is not None or self.plan.node_rank == 0
-                or self._abort_decided):
+        if self.peers is None or self._abort_decided:
             return
+        # Decided once, whatever the answer: node 0 and a node told to stop send nothing.
         self._abort_decided = True
+        if self._stopped_for is not None or self.plan.node_rank == 0:
+            return
         if self._read_peers(time.monotonic()).abort_sent or not self.peers.reader_connected:
             return  # already told, or the store was never reached: nobody to tell
         failing = sorted(self._failing | {r.spec.rank for r in self.ranks
