@@ -221,6 +221,7 @@ def test_slurm_master_is_the_same_for_the_launcher_and_detect_world() -> None:
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"],
      "--node-rank 2 is not in 0..1"),
     (["--nnodes", "1:4"], "elastic membership"),
+    (["--nnodes", "0"], "at least one node"),
 ])
 def test_multinode_flags_are_validated(argv: list[str], message: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -122,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         grace_s=parse_duration(args.grace, what="--grace"),
         master_port=master_port,
         master_addr=master_addr or DEFAULT_MASTER_ADDR,
-        nnodes=nnodes or 1,
+        nnodes=1 if nnodes is None else nnodes,
         node_rank=node_rank or 0,
         rdzv_timeout_s=parse_duration(args.rdzv_timeout, what="--rdzv-timeout"),
         source=source,
