@@ -217,7 +217,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
                               stall_timeout_s=parse_duration(stall_timeout, what="stall_timeout"),
                               grace_s=parse_duration(grace, what="grace"))
         argv = (sys.executable, "-m", "gpuwarden._rank", "--call", payload)
-        report, _ = launch(config, argv_for=lambda _c: argv, run_dir=work)
+        report, _ = launch(config, argv=argv, run_dir=work)
         if not report.ok:
             raise SpawnError(report.what, why=report.why, fix=report.fix,
                              evidence=[*report.evidence, *(f"{h}: {' | '.join(b[:6])}" for h, b in report.sections)],
