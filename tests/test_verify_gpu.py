@@ -112,6 +112,30 @@ def test_a_command_past_its_deadline_is_killed_with_its_children(tmp_path: Path)
 
 
 @pytest.mark.timeout(30)
+def test_a_grandchild_in_its_own_session_does_not_hold_the_deadline(tmp_path: Path) -> None:
+    # Story 3's hog and story 4's port holder start sessions of their own and inherit the
+    # story's output: the deadline must hold all the same (reading a pipe to its end would not).
+    groups = verify_gpu.Groups("t3")
+    (tmp_path / "logs").mkdir()
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(25)'], "
+              "start_new_session=True); print(c.pid, flush=True); time.sleep(60)")
+    start = time.monotonic()
+    res = verify_gpu.run_command("escaper", [sys.executable, "-c", script], cwd=tmp_path,
+                                 env=dict(os.environ), timeout_s=2, groups=groups,
+                                 logs=tmp_path / "logs")
+    try:
+        assert res.timed_out and time.monotonic() - start < 8
+    finally:
+        escaped = int(res.output.split()[0])
+        try:
+            os.kill(escaped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        wait_until_gone([escaped], 5.0)
+
+
+@pytest.mark.timeout(30)
 def test_a_process_that_left_its_group_is_found_and_killed(tmp_path: Path) -> None:
     groups = verify_gpu.Groups("t2-" + str(os.getpid()))
     env = {**os.environ, verify_gpu.RUN_ENV: groups.run_id}

@@ -29,15 +29,10 @@ import threading
 import time
 from pathlib import Path
 
+from gpuwarden.inventory import real_gpu_present as has_gpu
+
 HERE = Path(__file__).resolve().parent
 GPUWARDEN = [sys.executable, "-m", "gpuwarden"]
-
-
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
 
 
 def show(title: str, argv: list[str], env: dict[str, str], expect_exit: set[int]) -> tuple[bool, str]:
