@@ -21,7 +21,7 @@ NO_TORCH = TorchInfo(False, error="not probed in this test")
 
 def doctor(master_addr: str, master_port: int) -> Report:
     return run_doctor(Options(master_addr=master_addr, master_port=master_port, env={}),
-                      Probes(query_torch=lambda: NO_TORCH))
+                      Probes(query_torch=lambda env: NO_TORCH))
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_real_interfaces_and_route_lookup() -> None:
     assert lo is not None and "127.0.0.1" in ifaces[lo]
     assert net.source_address_for("127.0.0.1") == "127.0.0.1"
     check = run_doctor(Options(env={"NCCL_SOCKET_IFNAME": f"={lo}", "GLOO_SOCKET_IFNAME": "nope0"}),
-                       Probes(query_torch=lambda: NO_TORCH))
+                       Probes(query_torch=lambda env: NO_TORCH))
     assert check.by_id("nccl_socket_ifname").status is Status.WARN  # loopback only
     gloo = check.by_id("gloo_socket_ifname")
     assert (gloo.status, gloo.code) == (Status.FAIL, "NCCL_NO_INTERFACE")

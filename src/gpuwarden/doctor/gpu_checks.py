@@ -264,13 +264,14 @@ def check_nproc(gpus: Sequence[GPUSnapshot] | None, nproc: int | None) -> Check:
 
 
 def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, torch: TorchInfo,
-               env: Mapping[str, str], nproc: int | None) -> list[Check]:
-    vis = visibility_of(host, env) if host is not None else None
+               env: Mapping[str, str], nproc: int | None,
+               vis: Visibility | VisibilityError | None) -> list[Check]:
+    """The GPU checks; *vis* is :func:`visibility_of` the host (None without one)."""
     gpus = _visible(vis)
     return [
         check_driver(host, host_error, torch),
         check_torch_build(host, torch),
-        check_cuda_runtime(host, gpus, torch),
+        check_cuda_runtime(host, vis, torch),
         check_visible(host, vis, env),
         check_compute_mode(gpus),
         check_processes(gpus),
@@ -279,7 +280,7 @@ def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, tor
     ]
 
 
-def check_cuda_runtime(host: HostSnapshot | None, gpus: Sequence[GPUSnapshot] | None,
+def check_cuda_runtime(host: HostSnapshot | None, vis: Visibility | VisibilityError | None,
                        torch: TorchInfo) -> Check:
     """Whether torch's CUDA runtime sees the GPUs NVML sees (in a subprocess, never here)."""
     cid, code = "cuda_runtime", "CUDA_NO_DEVICE"
@@ -295,8 +296,12 @@ def check_cuda_runtime(host: HostSnapshot | None, gpus: Sequence[GPUSnapshot] | 
     if not host.source.startswith("nvml"):
         return check(cid, code, SKIP, "simulated host: torch's runtime cannot see simulated GPUs",
                      evidence=[f"runtime device count: {torch.runtime_device_count}"])
+    if isinstance(vis, VisibilityError):
+        # visible_devices already failed for it; torch seeing nothing is the expected result
+        return check(cid, code, SKIP, "visible_devices hides every GPU",
+                     evidence=[f"cudaGetDeviceCount: {torch.runtime_device_count}"])
     seen = torch.runtime_device_count or 0
-    want = len(gpus) if gpus is not None else len(host.gpus)
+    want = len(vis.gpus) if vis is not None else len(host.gpus)
     evidence = [f"cudaGetDeviceCount: {torch.runtime_device_count}", *torch.runtime_warnings]
     if seen == 0 and want > 0:
         return check(cid, code, FAIL, f"NVML sees {_gpu_word(want)} but torch's CUDA runtime "

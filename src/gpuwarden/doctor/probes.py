@@ -123,20 +123,21 @@ def read_torch_build() -> TorchInfo:
                      cuda_compiled=bool(cuda or hip), elapsed_s=time.monotonic() - start)
 
 
-def query_torch(timeout_s: float = TORCH_TIMEOUT_S, python: str = sys.executable, *,
-                always_import: bool = False) -> TorchInfo:
+def query_torch(env: Mapping[str, str] | None = None, timeout_s: float = TORCH_TIMEOUT_S,
+                python: str = sys.executable, *, always_import: bool = False) -> TorchInfo:
     """torch as this Python would load it; never raises (a failure is in ``error``).
 
     A CPU-only build is described from its version file: with no CUDA in it there is
     nothing a subprocess could add, and skipping ``import torch`` keeps the doctor under
     a second. A CUDA (or ROCm) build is imported in a fresh interpreter, asked for NCCL's
-    version and the runtime's device count, with a timeout.
+    version and the runtime's device count, with a timeout, in *env* (default: this
+    process's environment) so that it sees the CUDA_VISIBLE_DEVICES the doctor checks.
     """
     if python == sys.executable and not always_import:
         static = read_torch_build()
         if not static.installed or not static.cuda_compiled:
             return static
-    env = dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    env = dict(os.environ if env is None else env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
     start = time.monotonic()
     try:
         proc = subprocess.run([python, "-c", _TORCH_PROBE], env=env, capture_output=True,
@@ -207,7 +208,7 @@ class Probes:
     """The machine as the doctor sees it. Replace any field in tests."""
 
     read_host: Callable[[Mapping[str, str]], HostSnapshot] = _read_host
-    query_torch: Callable[[], TorchInfo] = query_torch
+    query_torch: Callable[[Mapping[str, str]], TorchInfo] = query_torch
     resolve: Callable[[str], net.Resolution] = lambda host: net.resolve(host, timeout_s=NET_TIMEOUT_S)
     probe_tcp: Callable[[str, int], net.ProbeResult] = (
         lambda host, port: net.probe_tcp(host, port, timeout_s=NET_TIMEOUT_S))
@@ -296,7 +297,7 @@ def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tupl
 def gather(opts: Options, probes: Probes) -> Facts:
     """Ask every probe, concurrently; the slowest (torch's subprocess) bounds the wall time."""
     with ThreadPoolExecutor(max_workers=6, thread_name_prefix="doctor") as pool:
-        torch_f = pool.submit(probes.query_torch)
+        torch_f = pool.submit(probes.query_torch, opts.env)
         host_f = pool.submit(probes.read_host, opts.env)
         ifaces_f = pool.submit(probes.interfaces)
         hostname = probes.hostname()
