@@ -157,9 +157,12 @@ def test_torch_cuda_build_against_driver(built: str, driver_cuda: str, status: S
         assert check.fix and "12.4 or older" in check.fix
 
 
-def test_runtime_warning_about_old_driver_fails_torch_build() -> None:
-    warning = ("CUDA initialization: The NVIDIA driver on your system is too old "
-               "(found version 11040).")
+@pytest.mark.parametrize("warning", [
+    "CUDA initialization: The NVIDIA driver on your system is too old (found version 11040).",
+    # the runtime's enum name: explain's knowledge base knows it, a hand-kept list did not
+    "CUDA initialization: cudaErrorInsufficientDriver",
+])
+def test_runtime_warning_about_old_driver_fails_torch_build(warning: str) -> None:
     torch = replace(CUDA_TORCH, runtime_device_count=0, runtime_warnings=(warning,))
     check = doctor(query_torch=lambda env: torch).by_id("torch_cuda_build")
     assert check.status is Status.FAIL and check.why == warning

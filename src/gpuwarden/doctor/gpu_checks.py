@@ -60,7 +60,17 @@ def _version(text: str | None) -> tuple[int, int] | None:
         return None
 
 
-_TOO_OLD_MARKERS = ("too old", "insufficient for cuda runtime", "driver version is insufficient")
+def _driver_too_old(warnings: Sequence[str]) -> list[str]:
+    """The runtime warnings that explain's knowledge base calls CUDA_DRIVER_TOO_OLD.
+
+    One vocabulary for both: the texts are knowledge.toml's signatures, not a second list.
+    Imported here, when there are warnings at all (loading the KB takes a few ms).
+    """
+    if not warnings:
+        return []
+    from gpuwarden.explain import explain_text
+
+    return [w for w in warnings if explain_text(w).primary.code == "CUDA_DRIVER_TOO_OLD"]
 
 
 def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
@@ -81,7 +91,7 @@ def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
     if not torch.cuda_compiled:
         return check(cid, code, SKIP, f"torch {torch.version} is a CPU-only build: no CUDA runtime "
                      "to match against the driver", evidence=evidence)
-    too_old = [w for w in torch.runtime_warnings if any(m in w.lower() for m in _TOO_OLD_MARKERS)]
+    too_old = _driver_too_old(torch.runtime_warnings)
     fix = (f"install a newer NVIDIA driver, or a torch wheel built for CUDA "
            f"{host.cuda_driver_version if host and host.cuda_driver_version else 'your driver supports'}"
            " or older (the cuXXX in the wheel's index URL)")
