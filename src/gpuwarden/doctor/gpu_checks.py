@@ -144,10 +144,10 @@ def check_visible(host: HostSnapshot | None, vis: Visibility | VisibilityError |
     ids = ", ".join(f"cuda:{i} = {g.label}" for i, g in enumerate(vis.gpus))
     if not host.gpus:
         return check(cid, code, SKIP, "no GPU on this host")
-    stopped = [n for n in vis.notes if "stops at the first invalid entry" in n]
-    if stopped:
-        return check(cid, code, WARN, f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry: "
-                     f"{_gpu_word(len(vis.gpus))} visible", why=stopped[0],
+    if vis.stopped_at_entry is not None:
+        return check(cid, code, WARN, f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry "
+                     f"({vis.stopped_at_entry!r}): {_gpu_word(len(vis.gpus))} visible",
+                     why=vis.notes[-1],
                      fix="remove the invalid entry or fix it (indices or UUIDs from `gpuwarden ls`)",
                      evidence=[ids] if ids else [])
     return check(cid, code, OK, f"{_gpu_word(len(vis.gpus))} of {len(host.gpus)} visible "
