@@ -53,7 +53,7 @@ def fake_probes(**over: object) -> Probes:
         query_torch=lambda env: CUDA_TORCH,
         resolve=resolver({"node1": ("10.0.0.5",), "master.example": ("10.0.0.9",),
                           "localhost": ("127.0.0.1",)}),
-        probe_tcp=lambda h, p: net.ProbeResult(h, p, net.ProbeStatus.OK, "connected", 0.001),
+        connect_tcp=lambda h, a, p: net.ProbeResult(h, p, net.ProbeStatus.OK, "connected", 0.001),
         port_is_free=lambda port: True,
         interfaces=lambda: dict(IFACES),
         source_address_for=lambda addr: "10.0.0.5",
@@ -334,7 +334,7 @@ def test_local_master_port_in_use() -> None:
 def test_remote_master_port_outcomes(status: net.ProbeStatus, code: str, result: Status) -> None:
     probe = net.ProbeResult("master.example", 29500, status, "detail", 0.01)
     check = doctor(master_addr="master.example", master_port=29500,
-                   probe_tcp=lambda h, p: probe).by_id("master_port")
+                   connect_tcp=lambda h, a, p: probe).by_id("master_port")
     assert (check.status, check.code) == (result, code)
 
 

@@ -210,8 +210,10 @@ class Probes:
     read_host: Callable[[Mapping[str, str]], HostSnapshot] = _read_host
     query_torch: Callable[[Mapping[str, str]], TorchInfo] = query_torch
     resolve: Callable[[str], net.Resolution] = lambda host: net.resolve(host, timeout_s=NET_TIMEOUT_S)
-    probe_tcp: Callable[[str, int], net.ProbeResult] = (
-        lambda host, port: net.probe_tcp(host, port, timeout_s=NET_TIMEOUT_S))
+    # (MASTER_ADDR as given, the addresses it resolved to, port): no second resolution
+    connect_tcp: Callable[[str, tuple[str, ...], int], net.ProbeResult] = (
+        lambda host, addresses, port: net.connect_tcp(addresses, port, timeout_s=NET_TIMEOUT_S,
+                                                      host=host))
     port_is_free: Callable[[int], bool] = net.port_is_free
     interfaces: Callable[[], dict[str, tuple[str, ...]]] = net.interface_addresses
     source_address_for: Callable[[str], str | None] = net.source_address_for
@@ -274,24 +276,38 @@ def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tupl
         return RendezvousFacts(None, None, port_error, None, False, None, None, None)
     resolution = probes.resolve(addr) if addr else None
     if addr is None:
-        local = True  # torchrun's default for a single node: 127.0.0.1 / this host
+        local, route = True, None  # torchrun's default for a single node: 127.0.0.1 / this host
     elif resolution is None or not resolution.ok:
         return RendezvousFacts(addr, port, port_error, resolution, False, None, None, None)
     else:
-        mine = {a for addrs in interfaces.result().values() for a in addrs}
-        local = any(net.is_loopback(a) or a in mine for a in resolution.addresses)
-    route = None
-    if resolution is not None and resolution.ok and not local:
-        source = probes.source_address_for(resolution.addresses[0])
-        route = net.interface_of(source, interfaces.result()) if source else None
+        local, route = locate_master(resolution.addresses, interfaces.result(),
+                                     probes.source_address_for)
     if port is None:
         return RendezvousFacts(addr, None, port_error, resolution, local, None, None, route)
     if local:
         return RendezvousFacts(addr, port, port_error, resolution, True, probes.port_is_free(port),
                                None, route)
-    assert addr is not None
+    assert addr is not None and resolution is not None
     return RendezvousFacts(addr, port, port_error, resolution, False, None,
-                           probes.probe_tcp(addr, port), route)
+                           probes.connect_tcp(addr, resolution.addresses, port), route)
+
+
+def locate_master(addresses: tuple[str, ...], interfaces: Mapping[str, tuple[str, ...]],
+                  source_address_for: Callable[[str], str | None]) -> tuple[bool, str | None]:
+    """Whether MASTER_ADDR (resolved to ``addresses``) is this host, and the route to it.
+
+    Local: one of the addresses is loopback (any 127/8 binds here, such as Debian's
+    127.0.1.1, which no interface lists) or is held by an interface of this host.
+    The route is the interface the kernel would send traffic to ``addresses[0]``
+    from (None for loopback or no route); the doctor and launch's multi-node
+    preflight both decide with this one function.
+    """
+    mine = {a for addrs in interfaces.values() for a in addrs}
+    local = any(net.is_loopback(a) or a in mine for a in addresses)
+    if all(net.is_loopback(a) for a in addresses):
+        return local, None
+    source = source_address_for(addresses[0])
+    return local, (net.interface_of(source, interfaces) if source else None)
 
 
 def gather(opts: Options, probes: Probes) -> Facts:
