@@ -21,10 +21,9 @@ from gpuwarden.units import GIB, MIB
 SCENARIOS = Path(__file__).parent / "scenarios"
 
 CUDA_TORCH = TorchInfo(True, version="2.5.1+cu121", cuda="12.1", cuda_compiled=True,
-                       nccl_version="2.21.5", runtime_device_count=2, distributed=True,
-                       gloo=True, nccl=True, python="/usr/bin/python3")
+                       nccl_version="2.21.5", runtime_device_count=2, python="/usr/bin/python3")
 CPU_TORCH = TorchInfo(True, version="2.13.0+cpu", cuda=None, cuda_compiled=False,
-                      distributed=True, gloo=True, python="/usr/bin/python3")
+                      python="/usr/bin/python3")
 NO_TORCH = TorchInfo(False, error="ModuleNotFoundError: No module named 'torch'")
 
 IFACES = {"lo": ("127.0.0.1", "::1"), "eth0": ("10.0.0.5", "fe80::1"), "ib0": ("192.168.7.5",)}

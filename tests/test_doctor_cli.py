@@ -139,7 +139,6 @@ def test_torch_probe_subprocess_agrees_with_the_version_file() -> None:
     assert probed.version == static.version == torch.__version__
     assert probed.cuda == static.cuda == torch.version.cuda
     assert probed.cuda_compiled == static.cuda_compiled
-    assert probed.distributed and probed.gloo
     assert probed.elapsed_s < 30
 
 

@@ -212,24 +212,6 @@ def pick_free_port(host: str = "") -> int:
         return int(sock.getsockname()[1])
 
 
-def host_addresses() -> tuple[str, ...]:
-    """Addresses assigned to this host's interfaces (for 'is MASTER_ADDR really me?')."""
-    import psutil
-
-    out = []
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                out.append(a.address.split("%")[0])
-    return tuple(dict.fromkeys(out))
-
-
-def interface_names() -> tuple[str, ...]:
-    import psutil
-
-    return tuple(psutil.net_if_addrs())
-
-
 def interface_addresses(*, up_only: bool = True) -> dict[str, tuple[str, ...]]:
     """Interface name -> its IPv4/IPv6 addresses (``{'lo': ('127.0.0.1', '::1'), ...}``).
 

@@ -46,13 +46,6 @@ out.update(installed=True, version=torch.__version__, file=torch.__file__,
            cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None))
 compiled = hasattr(torch._C, "_cuda_getDeviceCount")
 out["cuda_compiled"] = compiled
-try:
-    import torch.distributed as dist
-    out["distributed"] = dist.is_available()
-    out["gloo"] = bool(dist.is_available() and dist.is_gloo_available())
-    out["nccl"] = bool(dist.is_available() and dist.is_nccl_available())
-except Exception as exc:
-    out["distributed_error"] = str(exc)
 if compiled:
     try:
         v = torch.cuda.nccl.version()
@@ -81,9 +74,6 @@ class TorchInfo:
     nccl_version: str | None = None
     runtime_device_count: int | None = None  # cudaGetDeviceCount in that interpreter
     runtime_warnings: tuple[str, ...] = ()
-    distributed: bool = False
-    gloo: bool = False
-    nccl: bool = False
     error: str | None = None  # import failure, timeout, crash of the probe
     python: str = sys.executable
     elapsed_s: float = 0.0
@@ -162,9 +152,6 @@ def query_torch(env: Mapping[str, str] | None = None, timeout_s: float = TORCH_T
         nccl_version=data.get("nccl_version"),
         runtime_device_count=data.get("runtime_device_count"),
         runtime_warnings=tuple(data.get("runtime_warnings", ())),
-        distributed=bool(data.get("distributed")),
-        gloo=bool(data.get("gloo")),
-        nccl=bool(data.get("nccl")),
         error=data.get("error") or data.get("runtime_error"),
         python=python,
         elapsed_s=elapsed,

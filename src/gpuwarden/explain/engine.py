@@ -142,11 +142,6 @@ class Diagnosis:
     def found(self) -> bool:
         return self.primary.code != NONE_CODE
 
-    @property
-    def codes(self) -> list[str]:
-        """Every code seen, primary first."""
-        return [self.primary.code, *(f.code for f in self.others)] if self.found else []
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
