@@ -26,6 +26,11 @@ def _gpu_word(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
+def _is_nvml(host: HostSnapshot) -> bool:
+    """A real host read through NVML (HostSnapshot.source is "nvml" or "simulated:<path>")."""
+    return host.source == "nvml"
+
+
 def check_driver(host: HostSnapshot | None, error: GpuwardenError | None, torch: TorchInfo) -> Check:
     """NVML and the driver: present, which version, how many GPUs."""
     if host is None:
@@ -38,7 +43,7 @@ def check_driver(host: HostSnapshot | None, error: GpuwardenError | None, torch:
             why=(error.why or error.what) if error else None,
             fix=error.fix if error else None,
         )
-    source = "NVML" if host.source == "nvml" else f"a simulated host ({host.source})"
+    source = "NVML" if _is_nvml(host) else f"a simulated host ({host.source})"
     evidence = [f"{g.label}: {g.name}, {g.pci_bus_id}, {g.uuid}" for g in host.gpus]
     if not host.gpus:
         return check("driver", "CUDA_NO_DEVICE", FAIL if torch.cuda_compiled else WARN,
@@ -303,7 +308,7 @@ def check_cuda_runtime(host: HostSnapshot | None, vis: Visibility | VisibilityEr
                      f"the {_gpu_word(len(host.gpus))} of this host",
                      why="'Torch not compiled with CUDA enabled'",
                      fix="install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
-    if not host.source.startswith("nvml"):
+    if not _is_nvml(host):
         return check(cid, code, SKIP, "simulated host: torch's runtime cannot see simulated GPUs",
                      evidence=[f"runtime device count: {torch.runtime_device_count}"])
     if isinstance(vis, VisibilityError):

@@ -6,8 +6,9 @@
     >>> [f.code for f in diag.others]        # the other codes seen, echoes included
 
 ``explain_file`` streams a file (or ``"-"`` for stdin, gzip read transparently) in
-bounded memory; ``Explainer`` takes a log in pieces as it is produced (the launcher
-uses it on its ranks' output). What is known about each failure is data:
+bounded memory; ``Explainer`` takes a log in pieces as it is produced (a caller
+that streams; the launcher instead calls ``explain_text`` once on a failed rank's
+output, after the fact). What is known about each failure is data:
 ``knowledge.toml`` next to this module (format: docs/explain.md).
 """
 
