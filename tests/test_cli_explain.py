@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,44 @@ def test_gzip_logs_and_stdin_are_read(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))
     assert main(["explain"]) == 0
     assert "<stdin>:1:" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_is_read_without_seeking(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # what `gpuwarden explain <(cat x.log)` hands over: a pipe that cannot seek
+    text = (CORPUS / "port_in_use_errno98.log").read_bytes()
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with fifo.open("wb") as w:
+            w.write(text)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    assert main(["explain", str(fifo)]) == 0
+    writer.join(10)
+    assert capsys.readouterr().out.startswith("error[RDZV_PORT_IN_USE]")
+
+
+def test_a_corrupt_gzip_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    packed = bytearray(gzip.compress((CORPUS / "port_in_use_errno98.log").read_bytes()))
+    packed[10:30] = b"\xff" * 20  # the deflate stream right after the 10-byte header
+    bad = tmp_path / "job.log.gz"
+    bad.write_bytes(bytes(packed))
+    assert main(["explain", str(bad)]) == 2
+    assert "reading failed" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_gzip_on_stdin_is_diagnosed() -> None:
+    text = (CORPUS / "dns_torchrun_hostname_unresolved.log").read_bytes()
+    proc = subprocess.run([sys.executable, "-c", "from gpuwarden.cli import console_main; console_main()",
+                           "explain", "-"], input=gzip.compress(text),
+                          capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().startswith("error[RDZV_DNS]")
 
 
 def test_a_knowledge_base_of_ones_own_is_used(tmp_path: Path,

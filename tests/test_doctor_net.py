@@ -21,7 +21,7 @@ NO_TORCH = TorchInfo(False, error="not probed in this test")
 
 def doctor(master_addr: str, master_port: int) -> Report:
     return run_doctor(Options(master_addr=master_addr, master_port=master_port, env={}),
-                      Probes(query_torch=lambda: NO_TORCH))
+                      Probes(query_torch=lambda env: NO_TORCH))
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_real_interfaces_and_route_lookup() -> None:
     assert lo is not None and "127.0.0.1" in ifaces[lo]
     assert net.source_address_for("127.0.0.1") == "127.0.0.1"
     check = run_doctor(Options(env={"NCCL_SOCKET_IFNAME": f"={lo}", "GLOO_SOCKET_IFNAME": "nope0"}),
-                       Probes(query_torch=lambda: NO_TORCH))
+                       Probes(query_torch=lambda env: NO_TORCH))
     assert check.by_id("nccl_socket_ifname").status is Status.WARN  # loopback only
     gloo = check.by_id("gloo_socket_ifname")
     assert (gloo.status, gloo.code) == (Status.FAIL, "NCCL_NO_INTERFACE")
@@ -131,3 +131,61 @@ def test_ifname_matching_follows_nccl() -> None:
     assert not net.parse_ifname_spec("^eth").matches("eth0")
     assert net.parse_ifname_spec("^eth").matches("ib0")
     assert not net.parse_ifname_spec("eth0", exact=True).matches("eth01")
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_connect_tries_every_address_when_the_first_refuses(listener: int) -> None:
+    # a name answering ::1 (or another address) first while the listener bound only 127.0.0.1
+    first = "::1" if _ipv6_loopback() else "127.0.0.2"
+    start = time.monotonic()
+    probe = net.connect_tcp((first, "127.0.0.1"), listener, timeout_s=3.0, host="master")
+    assert probe.ok, probe.detail
+    assert probe.host == "master" and "connected to 127.0.0.1" in probe.detail
+    assert time.monotonic() - start < 1.0
+
+
+def test_connect_reports_refused_naming_every_address_tried(closed_port: int) -> None:
+    probe = net.connect_tcp(("127.0.0.2", "127.0.0.1"), closed_port, timeout_s=3.0)
+    assert probe.status is net.ProbeStatus.REFUSED and probe.code == "RDZV_CONN_REFUSED"
+    assert "127.0.0.2: refused; 127.0.0.1: refused" in probe.detail
+
+
+def test_master_addr_is_resolved_once_and_its_addresses_are_connected_to(listener: int) -> None:
+    asked: list[str] = []
+    connected: list[tuple[str, tuple[str, ...], int]] = []
+
+    def resolve(host: str) -> net.Resolution:
+        asked.append(host)
+        return net.Resolution(host, ("10.0.0.9", "10.0.0.10"), None, 0.001)
+
+    def connect(host: str, addresses: tuple[str, ...], port: int) -> net.ProbeResult:
+        connected.append((host, addresses, port))
+        return net.ProbeResult(host, port, net.ProbeStatus.OK, "connected", 0.001)
+
+    report = run_doctor(Options(master_addr="master.example", master_port=listener, nnodes=2,
+                                env={}),
+                        Probes(query_torch=lambda env: NO_TORCH, resolve=resolve,
+                               connect_tcp=connect, hostname=lambda: "node1"))
+    assert report.by_id("master_port").status is Status.OK
+    assert asked.count("master.example") == 1
+    assert connected == [("master.example", ("10.0.0.9", "10.0.0.10"), listener)]
+
+
+def test_locate_master_counts_any_loopback_as_this_host() -> None:
+    from gpuwarden.doctor.probes import locate_master
+
+    ifaces = {"lo": ("127.0.0.1", "::1"), "eth0": ("10.0.0.5",)}
+    route = {"10.0.0.9": "10.0.0.5", "10.0.0.5": "10.0.0.5"}.get
+    # Debian's /etc/hosts maps the hostname to 127.0.1.1, which no interface lists
+    assert locate_master(("127.0.1.1",), ifaces, route) == (True, None)
+    assert locate_master(("10.0.0.5",), ifaces, route) == (True, "eth0")
+    assert locate_master(("10.0.0.9",), ifaces, route) == (False, "eth0")
+    assert locate_master(("10.9.9.9",), ifaces, route) == (False, None)

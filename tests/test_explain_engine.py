@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import re
+import re._parser as sre_parse  # type: ignore[import-not-found]
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -257,3 +260,73 @@ def test_shipped_knowledge_base_has_every_code_of_failure_codes_md() -> None:
         "DATALOADER_WORKER_KILLED", "RDZV_PORT_IN_USE", "RDZV_DNS", "RDZV_CONNECT_TIMEOUT",
         "RDZV_CONN_REFUSED", "RDZV_WORKERS_MISSING",
     }
+
+
+def _texts_of(pattern: re.Pattern[str], limit: int = 256) -> list[str]:
+    """Lines ``pattern`` matches: every alternative, each optional part absent and present.
+
+    Derived from the parsed regex (no hand-written example to drift from it): a
+    class gives one of its members, a repeat its minimum (and one more when that is 0).
+    """
+    parsed = sre_parse.parse(pattern.pattern, pattern.flags)
+
+    def seq(items: Any) -> list[str]:
+        out = [""]
+        for op, av in items:
+            out = [a + b for a in out for b in node(op, av)][:limit]
+        return out
+
+    def node(op: Any, av: Any) -> list[str]:
+        name = str(op)
+        if name == "LITERAL":
+            return [chr(av)]
+        if name == "NOT_LITERAL":
+            return ["x" if chr(av) != "x" else "y"]
+        if name == "ANY":
+            return ["x"]
+        if name == "IN":
+            for kind, value in av:
+                k = str(kind)
+                if k == "LITERAL":
+                    return [chr(value)]
+                if k == "RANGE":
+                    return [chr(value[0])]
+                if k == "CATEGORY":
+                    return [{"CATEGORY_DIGIT": "0", "CATEGORY_SPACE": " "}.get(str(value), "a")]
+            return ["a"]
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, _, body = av
+            once = seq(body)
+            base = [t * max(low, 1) for t in once]
+            return ([""] + base if low == 0 else base)[:limit]
+        if name == "SUBPATTERN":
+            return seq(av[-1])
+        if name == "ATOMIC_GROUP":
+            return seq(av)
+        if name == "BRANCH":
+            return [t for alt in av[1] for t in seq(alt)][:limit]
+        if name == "CATEGORY":
+            return [{"CATEGORY_DIGIT": "0", "CATEGORY_SPACE": " "}.get(str(av), "a")]
+        if name in ("AT", "ASSERT", "ASSERT_NOT"):
+            return [""]
+        raise AssertionError(f"{pattern.pattern!r}: regex construct {name} not covered here")
+
+    return seq(parsed)
+
+
+def test_every_signature_is_reachable_through_its_codes_keywords() -> None:
+    # The prefilter only sends a line to a code's signatures when the line holds one
+    # of that code's keywords: a signature whose text holds none of them never fires.
+    unreachable = []
+    for entry in load_knowledge().entries:
+        for sig in entry.signatures:
+            for text in _texts_of(sig.pattern):
+                assert sig.pattern.search(text), (entry.code, sig.pattern.pattern, text)
+                if not any(kw in text.lower() for kw in entry.keywords):
+                    unreachable.append((entry.code, sig.pattern.pattern, text))
+    assert unreachable == []
+
+
+def test_the_driver_api_spelling_of_out_of_memory_is_cuda_oom() -> None:
+    diag = explain_text("RuntimeError: CUDA driver error: CUDA_ERROR_OUT_OF_MEMORY\n")
+    assert diag.primary.code == "CUDA_OOM"

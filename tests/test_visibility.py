@@ -35,6 +35,24 @@ def test_enumeration_stops_at_first_invalid_entry() -> None:
     assert indices("0,GPU-1f0e8c52-6b1a-4c1e-9d7e-000000000001") == [0]
 
 
+@pytest.mark.parametrize(("value", "stopped_at"), [
+    (None, None),
+    ("3,1", None),
+    ("1,7,2", "7"),
+    ("2,-1,0", "-1"),
+    ("0,GPU-1f0e8c52-6b1a-4c1e-9d7e-000000000001", "GPU-1f0e8c52-6b1a-4c1e-9d7e-000000000001"),
+    ("GPU-1f0e8c52-6b1a-4c1e-9d7e-000000000001,GPU-1f0e", "GPU-1f0e"),
+    ("GPU-1f0e8c52-6b1a-4c1e-9d7e-000000000001,2", "2"),
+])
+def test_the_entry_enumeration_stopped_at_is_a_field(value: str | None,
+                                                     stopped_at: str | None) -> None:
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    vis = parse_visibility(HOST, env)
+    assert vis.stopped_at_entry == stopped_at
+    if stopped_at is not None:
+        assert repr(stopped_at) in vis.notes[-1]
+
+
 def test_strtoul_like_parsing() -> None:
     # CUDA reads the leading number of an entry: '1gpu' is 1.
     assert indices("1gpu,2") == [1, 2]

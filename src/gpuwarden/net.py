@@ -18,6 +18,7 @@ import ipaddress
 import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -116,36 +117,70 @@ def resolve(host: str, *, timeout_s: float = 3.0) -> Resolution:
 
 
 def probe_tcp(host: str, port: int, *, timeout_s: float = 3.0) -> ProbeResult:
-    """Try one TCP connection to ``host:port`` within ``timeout_s`` and classify the outcome."""
+    """Resolve ``host`` and try ``host:port`` (:func:`connect_tcp`), all within ``timeout_s``."""
     start = time.monotonic()
     res = resolve(host, timeout_s=timeout_s)
     if not res.ok:
         return ProbeResult(host, port, ProbeStatus.DNS, res.error or "unknown name",
                            time.monotonic() - start)
     left = max(0.1, timeout_s - (time.monotonic() - start))
-    family = socket.AF_INET6 if ":" in res.addresses[0] else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.settimeout(left)
-    try:
-        sock.connect((res.addresses[0], port))
-        status, detail = ProbeStatus.OK, f"connected to {res.addresses[0]}:{port}"
-    except TimeoutError:
-        status = ProbeStatus.TIMEOUT
-        detail = (f"no answer from {res.addresses[0]}:{port} within {timeout_s:g} s: packets are "
-                  "dropped (a firewall) or the address does not exist on the network")
-    except ConnectionRefusedError:
-        status = ProbeStatus.REFUSED
-        detail = (f"{res.addresses[0]} answered but nothing listens on port {port} "
-                  "(rank 0 not started yet, or a wrong port)")
-    except OSError as exc:
-        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-            status = ProbeStatus.NO_ROUTE
-            detail = f"no route to {res.addresses[0]}: {exc.strerror}"
-        else:
-            status, detail = ProbeStatus.ERROR, f"{res.addresses[0]}:{port}: {exc.strerror or exc}"
-    finally:
-        sock.close()
-    return ProbeResult(host, port, status, detail, time.monotonic() - start)
+    probe = connect_tcp(res.addresses, port, timeout_s=left, host=host)
+    return ProbeResult(host, port, probe.status, probe.detail, time.monotonic() - start)
+
+
+# Which failure to report when every address failed: the one that says most about the
+# host (it answered: refused) before the ones that say less (silence, no route).
+_FAILURE_RANK = (ProbeStatus.REFUSED, ProbeStatus.TIMEOUT, ProbeStatus.NO_ROUTE,
+                 ProbeStatus.ERROR)
+
+
+def connect_tcp(addresses: Sequence[str], port: int, *, timeout_s: float = 3.0,
+                host: str | None = None) -> ProbeResult:
+    """Try a TCP connection to each of ``addresses`` in turn, all within ``timeout_s``.
+
+    A name often resolves to ``::1`` before ``127.0.0.1`` (or to a v6 and a v4
+    address) while the listener has bound only one of them, so the first refusal
+    is not the answer: like a client's connect loop, the next address is tried.
+    Each attempt gets an equal share of the time left, so one address that drops
+    packets cannot starve the others. ``host`` (default: the first address) names
+    the target in the result.
+    """
+    if not addresses:
+        raise ValueError("connect_tcp needs at least one address")
+    start = time.monotonic()
+    deadline = start + timeout_s
+    failures: list[tuple[ProbeStatus, str]] = []
+    for i, address in enumerate(addresses):
+        share = max(0.05, (deadline - time.monotonic()) / (len(addresses) - i))
+        status, detail = _connect_one(address, port, share)
+        if status is ProbeStatus.OK:
+            return ProbeResult(host or address, port, status, detail, time.monotonic() - start)
+        failures.append((status, detail))
+    status, detail = min(failures, key=lambda f: _FAILURE_RANK.index(f[0]))
+    if len(failures) > 1:
+        detail += " (tried " + "; ".join(f"{a}: {s.value}" for a, (s, _) in
+                                         zip(addresses, failures, strict=True)) + ")"
+    return ProbeResult(host or addresses[0], port, status, detail, time.monotonic() - start)
+
+
+def _connect_one(address: str, port: int, timeout_s: float) -> tuple[ProbeStatus, str]:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect((address, port))
+        except TimeoutError:
+            return ProbeStatus.TIMEOUT, (
+                f"no answer from {address}:{port} within {timeout_s:.3g} s: packets are "
+                "dropped (a firewall) or the address does not exist on the network")
+        except ConnectionRefusedError:
+            return ProbeStatus.REFUSED, (f"{address} answered but nothing listens on port {port} "
+                                         "(rank 0 not started yet, or a wrong port)")
+        except OSError as exc:
+            if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+                return ProbeStatus.NO_ROUTE, f"no route to {address}: {exc.strerror}"
+            return ProbeStatus.ERROR, f"{address}:{port}: {exc.strerror or exc}"
+    return ProbeStatus.OK, f"connected to {address}:{port}"
 
 
 def port_is_free(port: int, host: str = "") -> bool:
@@ -175,24 +210,6 @@ def pick_free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def host_addresses() -> tuple[str, ...]:
-    """Addresses assigned to this host's interfaces (for 'is MASTER_ADDR really me?')."""
-    import psutil
-
-    out = []
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                out.append(a.address.split("%")[0])
-    return tuple(dict.fromkeys(out))
-
-
-def interface_names() -> tuple[str, ...]:
-    import psutil
-
-    return tuple(psutil.net_if_addrs())
 
 
 def interface_addresses(*, up_only: bool = True) -> dict[str, tuple[str, ...]]:
@@ -228,7 +245,7 @@ def source_address_for(address: str) -> str | None:
         return None  # no route to it at all
 
 
-def interface_of(address: str, interfaces: dict[str, tuple[str, ...]]) -> str | None:
+def interface_of(address: str, interfaces: Mapping[str, tuple[str, ...]]) -> str | None:
     """The name of the interface that holds ``address`` (None when no interface does)."""
     for name, addrs in interfaces.items():
         if address in addrs:

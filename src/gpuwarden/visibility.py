@@ -47,6 +47,10 @@ class Visibility:
 
     gpus: tuple[GPUSnapshot, ...]
     notes: tuple[str, ...] = ()
+    # The CUDA_VISIBLE_DEVICES entry at which CUDA stops enumerating (an invalid one:
+    # not an index, past the last GPU, no such UUID); None when every entry is used.
+    # Its explanation is the last of ``notes``.
+    stopped_at_entry: str | None = None
 
 
 def resolve_visible(host_gpus: Sequence[GPUSnapshot], env: Mapping[str, str] | None = None
@@ -72,7 +76,7 @@ def parse_visibility(host_gpus: Sequence[GPUSnapshot], env: Mapping[str, str] | 
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw is None:
         return Visibility(candidates, tuple(notes))
-    gpus = _apply_cvd(raw, tuple(host_gpus), notes)
+    gpus, stopped_at = _apply_cvd(raw, tuple(host_gpus), notes)
     if allocation is not None:
         outside = [g for g in gpus if g not in candidates and not g.is_mig_instance]
         if outside:
@@ -87,14 +91,17 @@ def parse_visibility(host_gpus: Sequence[GPUSnapshot], env: Mapping[str, str] | 
             why=notes[-1] if notes else "an empty value or -1 hides every GPU",
             fix=_FIX_CVD,
         )
-    return Visibility(gpus, tuple(notes))
+    return Visibility(gpus, tuple(notes), stopped_at)
 
 
-def _apply_cvd(raw: str, host: tuple[GPUSnapshot, ...], notes: list[str]) -> tuple[GPUSnapshot, ...]:
+_Chosen = tuple[tuple[GPUSnapshot, ...], str | None]  # the devices, the entry CUDA stopped at
+
+
+def _apply_cvd(raw: str, host: tuple[GPUSnapshot, ...], notes: list[str]) -> _Chosen:
     value = raw.strip()
     if value == "":
         notes.append("CUDA_VISIBLE_DEVICES is empty: no GPU is visible")
-        return ()
+        return (), None
     entries = [e.strip() for e in value.split(",")]
     first = entries[0]
     if first.startswith("MIG-"):
@@ -109,33 +116,33 @@ def _apply_cvd(raw: str, host: tuple[GPUSnapshot, ...], notes: list[str]) -> tup
         if ordinal is None or ordinal < 0:
             notes.append(_stop_note(raw, pos, entry, "is not a device index" if ordinal is None
                                     else "is negative"))
-            break
+            return tuple(chosen), entry
         if ordinal >= len(host):
             notes.append(_stop_note(raw, pos, entry, f"is past the last GPU (the host has {len(host)})"))
-            break
+            return tuple(chosen), entry
         gpu = host[ordinal]
         if gpu in chosen:
             raise _duplicate(raw, entry)
         chosen.append(gpu)
-    return tuple(chosen)
+    return tuple(chosen), None
 
 
 def _match_uuids(raw: str, entries: list[str], prefix: str, pool: tuple[GPUSnapshot, ...],
-                 notes: list[str]) -> tuple[GPUSnapshot, ...]:
+                 notes: list[str]) -> _Chosen:
     chosen: list[GPUSnapshot] = []
     for pos, entry in enumerate(entries):
         if not entry.startswith(prefix):
             notes.append(_stop_note(raw, pos, entry, f"does not start with {prefix} like the first entry"))
-            break
+            return tuple(chosen), entry
         matches = [g for g in pool if g.uuid.startswith(entry)]
         if len(matches) != 1:
             why = "matches no device" if not matches else f"matches {len(matches)} devices"
             notes.append(_stop_note(raw, pos, entry, why))
-            break
+            return tuple(chosen), entry
         if matches[0] in chosen:
             raise _duplicate(raw, entry)
         chosen.append(matches[0])
-    return tuple(chosen)
+    return tuple(chosen), None
 
 
 def _strtoul(entry: str) -> int | None:

@@ -24,13 +24,16 @@ __all__ = ["Check", "Facts", "Options", "Probes", "Report", "Status", "evaluate"
 
 
 def evaluate(facts: Facts, opts: Options) -> list[Check]:
-    """Every check, in report order, from gathered facts (pure)."""
+    """Every check, in report order, from gathered facts (pure).
+
+    CUDA_VISIBLE_DEVICES is parsed once here; the GPU and host checks share it.
+    """
     vis = visibility_of(facts.host, facts.env) if facts.host is not None else None
     local_gpus = len(vis.gpus) if isinstance(vis, Visibility) else 0
     if opts.nproc is not None and local_gpus:
         local_gpus = min(local_gpus, opts.nproc)
     return [
-        *gpu_checks(facts.host, facts.host_error, facts.torch, facts.env, opts.nproc),
+        *gpu_checks(facts.host, facts.host_error, facts.torch, facts.env, opts.nproc, vis),
         *host_checks(facts.shm, facts.nofile, facts.env, facts.torch, local_gpus),
         *net_checks(facts.hostname, facts.hostname_resolution, facts.rendezvous,
                     facts.interfaces, facts.env, opts.nnodes),

@@ -26,6 +26,11 @@ def _gpu_word(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
+def _is_nvml(host: HostSnapshot) -> bool:
+    """A real host read through NVML (HostSnapshot.source is "nvml" or "simulated:<path>")."""
+    return host.source == "nvml"
+
+
 def check_driver(host: HostSnapshot | None, error: GpuwardenError | None, torch: TorchInfo) -> Check:
     """NVML and the driver: present, which version, how many GPUs."""
     if host is None:
@@ -38,7 +43,7 @@ def check_driver(host: HostSnapshot | None, error: GpuwardenError | None, torch:
             why=(error.why or error.what) if error else None,
             fix=error.fix if error else None,
         )
-    source = "NVML" if host.source == "nvml" else f"a simulated host ({host.source})"
+    source = "NVML" if _is_nvml(host) else f"a simulated host ({host.source})"
     evidence = [f"{g.label}: {g.name}, {g.pci_bus_id}, {g.uuid}" for g in host.gpus]
     if not host.gpus:
         return check("driver", "CUDA_NO_DEVICE", FAIL if torch.cuda_compiled else WARN,
@@ -60,7 +65,17 @@ def _version(text: str | None) -> tuple[int, int] | None:
         return None
 
 
-_TOO_OLD_MARKERS = ("too old", "insufficient for cuda runtime", "driver version is insufficient")
+def _driver_too_old(warnings: Sequence[str]) -> list[str]:
+    """The runtime warnings that explain's knowledge base calls CUDA_DRIVER_TOO_OLD.
+
+    One vocabulary for both: the texts are knowledge.toml's signatures, not a second list.
+    Imported here, when there are warnings at all (loading the KB takes a few ms).
+    """
+    if not warnings:
+        return []
+    from gpuwarden.explain import explain_text
+
+    return [w for w in warnings if explain_text(w).primary.code == "CUDA_DRIVER_TOO_OLD"]
 
 
 def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
@@ -81,7 +96,7 @@ def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
     if not torch.cuda_compiled:
         return check(cid, code, SKIP, f"torch {torch.version} is a CPU-only build: no CUDA runtime "
                      "to match against the driver", evidence=evidence)
-    too_old = [w for w in torch.runtime_warnings if any(m in w.lower() for m in _TOO_OLD_MARKERS)]
+    too_old = _driver_too_old(torch.runtime_warnings)
     fix = (f"install a newer NVIDIA driver, or a torch wheel built for CUDA "
            f"{host.cuda_driver_version if host and host.cuda_driver_version else 'your driver supports'}"
            " or older (the cuXXX in the wheel's index URL)")
@@ -134,10 +149,10 @@ def check_visible(host: HostSnapshot | None, vis: Visibility | VisibilityError |
     ids = ", ".join(f"cuda:{i} = {g.label}" for i, g in enumerate(vis.gpus))
     if not host.gpus:
         return check(cid, code, SKIP, "no GPU on this host")
-    stopped = [n for n in vis.notes if "stops at the first invalid entry" in n]
-    if stopped:
-        return check(cid, code, WARN, f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry: "
-                     f"{_gpu_word(len(vis.gpus))} visible", why=stopped[0],
+    if vis.stopped_at_entry is not None:
+        return check(cid, code, WARN, f"CUDA_VISIBLE_DEVICES={raw!r} has an invalid entry "
+                     f"({vis.stopped_at_entry!r}): {_gpu_word(len(vis.gpus))} visible",
+                     why=vis.notes[-1],
                      fix="remove the invalid entry or fix it (indices or UUIDs from `gpuwarden ls`)",
                      evidence=[ids] if ids else [])
     return check(cid, code, OK, f"{_gpu_word(len(vis.gpus))} of {len(host.gpus)} visible "
@@ -264,13 +279,14 @@ def check_nproc(gpus: Sequence[GPUSnapshot] | None, nproc: int | None) -> Check:
 
 
 def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, torch: TorchInfo,
-               env: Mapping[str, str], nproc: int | None) -> list[Check]:
-    vis = visibility_of(host, env) if host is not None else None
+               env: Mapping[str, str], nproc: int | None,
+               vis: Visibility | VisibilityError | None) -> list[Check]:
+    """The GPU checks; *vis* is :func:`visibility_of` the host (None without one)."""
     gpus = _visible(vis)
     return [
         check_driver(host, host_error, torch),
         check_torch_build(host, torch),
-        check_cuda_runtime(host, gpus, torch),
+        check_cuda_runtime(host, vis, torch),
         check_visible(host, vis, env),
         check_compute_mode(gpus),
         check_processes(gpus),
@@ -279,7 +295,7 @@ def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, tor
     ]
 
 
-def check_cuda_runtime(host: HostSnapshot | None, gpus: Sequence[GPUSnapshot] | None,
+def check_cuda_runtime(host: HostSnapshot | None, vis: Visibility | VisibilityError | None,
                        torch: TorchInfo) -> Check:
     """Whether torch's CUDA runtime sees the GPUs NVML sees (in a subprocess, never here)."""
     cid, code = "cuda_runtime", "CUDA_NO_DEVICE"
@@ -292,11 +308,15 @@ def check_cuda_runtime(host: HostSnapshot | None, gpus: Sequence[GPUSnapshot] | 
                      f"the {_gpu_word(len(host.gpus))} of this host",
                      why="'Torch not compiled with CUDA enabled'",
                      fix="install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
-    if not host.source.startswith("nvml"):
+    if not _is_nvml(host):
         return check(cid, code, SKIP, "simulated host: torch's runtime cannot see simulated GPUs",
                      evidence=[f"runtime device count: {torch.runtime_device_count}"])
+    if isinstance(vis, VisibilityError):
+        # visible_devices already failed for it; torch seeing nothing is the expected result
+        return check(cid, code, SKIP, "visible_devices hides every GPU",
+                     evidence=[f"cudaGetDeviceCount: {torch.runtime_device_count}"])
     seen = torch.runtime_device_count or 0
-    want = len(gpus) if gpus is not None else len(host.gpus)
+    want = len(vis.gpus) if vis is not None else len(host.gpus)
     evidence = [f"cudaGetDeviceCount: {torch.runtime_device_count}", *torch.runtime_warnings]
     if seen == 0 and want > 0:
         return check(cid, code, FAIL, f"NVML sees {_gpu_word(want)} but torch's CUDA runtime "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -73,6 +73,3 @@ class Report:
                 "summary": self.counts(), "exit_code": self.exit_code,
                 "elapsed_s": round(self.elapsed_s, 3)}
 
-
-def worst_of(checks: Sequence[Check]) -> Status:
-    return max((c.status for c in checks), key=lambda s: s.rank, default=Status.OK)

@@ -55,14 +55,15 @@ def check_master_addr(rdzv: RendezvousFacts, nnodes: int) -> Check:
     if rdzv.addr is None:
         return check(cid, code, SKIP, "MASTER_ADDR is not set (a single-node launch picks one)")
     res = rdzv.resolution
-    if res is None or not res.ok:
-        error = res.error if res else "not resolved"
+    assert res is not None  # an address set is always resolved (probes._rendezvous)
+    if not res.ok:
+        error = res.error or "not resolved"
         return check(cid, code, FAIL, f"MASTER_ADDR {rdzv.addr!r} does not resolve",
                      why=f"the resolver says: {error}; PyTorch would retry this silently until "
                      "its rendezvous timeout (10-30 minutes)",
                      fix="set MASTER_ADDR to a name or IP address every node can resolve "
                      "(rank 0's host)",
-                     evidence=[f"{rdzv.addr}: {error} after {res.elapsed_s:.2f} s" if res else ""])
+                     evidence=[f"{rdzv.addr}: {error} after {res.elapsed_s:.2f} s"])
     addrs = ", ".join(res.addresses)
     evidence = [f"{rdzv.addr} -> {addrs} in {res.elapsed_s * 1000:.0f} ms"]
     if rdzv.route_interface:

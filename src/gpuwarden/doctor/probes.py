@@ -46,13 +46,6 @@ out.update(installed=True, version=torch.__version__, file=torch.__file__,
            cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None))
 compiled = hasattr(torch._C, "_cuda_getDeviceCount")
 out["cuda_compiled"] = compiled
-try:
-    import torch.distributed as dist
-    out["distributed"] = dist.is_available()
-    out["gloo"] = bool(dist.is_available() and dist.is_gloo_available())
-    out["nccl"] = bool(dist.is_available() and dist.is_nccl_available())
-except Exception as exc:
-    out["distributed_error"] = str(exc)
 if compiled:
     try:
         v = torch.cuda.nccl.version()
@@ -81,9 +74,6 @@ class TorchInfo:
     nccl_version: str | None = None
     runtime_device_count: int | None = None  # cudaGetDeviceCount in that interpreter
     runtime_warnings: tuple[str, ...] = ()
-    distributed: bool = False
-    gloo: bool = False
-    nccl: bool = False
     error: str | None = None  # import failure, timeout, crash of the probe
     python: str = sys.executable
     elapsed_s: float = 0.0
@@ -123,20 +113,21 @@ def read_torch_build() -> TorchInfo:
                      cuda_compiled=bool(cuda or hip), elapsed_s=time.monotonic() - start)
 
 
-def query_torch(timeout_s: float = TORCH_TIMEOUT_S, python: str = sys.executable, *,
-                always_import: bool = False) -> TorchInfo:
+def query_torch(env: Mapping[str, str] | None = None, timeout_s: float = TORCH_TIMEOUT_S,
+                python: str = sys.executable, *, always_import: bool = False) -> TorchInfo:
     """torch as this Python would load it; never raises (a failure is in ``error``).
 
     A CPU-only build is described from its version file: with no CUDA in it there is
     nothing a subprocess could add, and skipping ``import torch`` keeps the doctor under
     a second. A CUDA (or ROCm) build is imported in a fresh interpreter, asked for NCCL's
-    version and the runtime's device count, with a timeout.
+    version and the runtime's device count, with a timeout, in *env* (default: this
+    process's environment) so that it sees the CUDA_VISIBLE_DEVICES the doctor checks.
     """
     if python == sys.executable and not always_import:
         static = read_torch_build()
         if not static.installed or not static.cuda_compiled:
             return static
-    env = dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    env = dict(os.environ if env is None else env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
     start = time.monotonic()
     try:
         proc = subprocess.run([python, "-c", _TORCH_PROBE], env=env, capture_output=True,
@@ -161,9 +152,6 @@ def query_torch(timeout_s: float = TORCH_TIMEOUT_S, python: str = sys.executable
         nccl_version=data.get("nccl_version"),
         runtime_device_count=data.get("runtime_device_count"),
         runtime_warnings=tuple(data.get("runtime_warnings", ())),
-        distributed=bool(data.get("distributed")),
-        gloo=bool(data.get("gloo")),
-        nccl=bool(data.get("nccl")),
         error=data.get("error") or data.get("runtime_error"),
         python=python,
         elapsed_s=elapsed,
@@ -207,10 +195,12 @@ class Probes:
     """The machine as the doctor sees it. Replace any field in tests."""
 
     read_host: Callable[[Mapping[str, str]], HostSnapshot] = _read_host
-    query_torch: Callable[[], TorchInfo] = query_torch
+    query_torch: Callable[[Mapping[str, str]], TorchInfo] = query_torch
     resolve: Callable[[str], net.Resolution] = lambda host: net.resolve(host, timeout_s=NET_TIMEOUT_S)
-    probe_tcp: Callable[[str, int], net.ProbeResult] = (
-        lambda host, port: net.probe_tcp(host, port, timeout_s=NET_TIMEOUT_S))
+    # (MASTER_ADDR as given, the addresses it resolved to, port): no second resolution
+    connect_tcp: Callable[[str, tuple[str, ...], int], net.ProbeResult] = (
+        lambda host, addresses, port: net.connect_tcp(addresses, port, timeout_s=NET_TIMEOUT_S,
+                                                      host=host))
     port_is_free: Callable[[int], bool] = net.port_is_free
     interfaces: Callable[[], dict[str, tuple[str, ...]]] = net.interface_addresses
     source_address_for: Callable[[str], str | None] = net.source_address_for
@@ -273,30 +263,44 @@ def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tupl
         return RendezvousFacts(None, None, port_error, None, False, None, None, None)
     resolution = probes.resolve(addr) if addr else None
     if addr is None:
-        local = True  # torchrun's default for a single node: 127.0.0.1 / this host
+        local, route = True, None  # torchrun's default for a single node: 127.0.0.1 / this host
     elif resolution is None or not resolution.ok:
         return RendezvousFacts(addr, port, port_error, resolution, False, None, None, None)
     else:
-        mine = {a for addrs in interfaces.result().values() for a in addrs}
-        local = any(net.is_loopback(a) or a in mine for a in resolution.addresses)
-    route = None
-    if resolution is not None and resolution.ok and not local:
-        source = probes.source_address_for(resolution.addresses[0])
-        route = net.interface_of(source, interfaces.result()) if source else None
+        local, route = locate_master(resolution.addresses, interfaces.result(),
+                                     probes.source_address_for)
     if port is None:
         return RendezvousFacts(addr, None, port_error, resolution, local, None, None, route)
     if local:
         return RendezvousFacts(addr, port, port_error, resolution, True, probes.port_is_free(port),
                                None, route)
-    assert addr is not None
+    assert addr is not None and resolution is not None
     return RendezvousFacts(addr, port, port_error, resolution, False, None,
-                           probes.probe_tcp(addr, port), route)
+                           probes.connect_tcp(addr, resolution.addresses, port), route)
+
+
+def locate_master(addresses: tuple[str, ...], interfaces: Mapping[str, tuple[str, ...]],
+                  source_address_for: Callable[[str], str | None]) -> tuple[bool, str | None]:
+    """Whether MASTER_ADDR (resolved to ``addresses``) is this host, and the route to it.
+
+    Local: one of the addresses is loopback (any 127/8 binds here, such as Debian's
+    127.0.1.1, which no interface lists) or is held by an interface of this host.
+    The route is the interface the kernel would send traffic to ``addresses[0]``
+    from (None for loopback or no route); the doctor and launch's multi-node
+    preflight both decide with this one function.
+    """
+    mine = {a for addrs in interfaces.values() for a in addrs}
+    local = any(net.is_loopback(a) or a in mine for a in addresses)
+    if all(net.is_loopback(a) for a in addresses):
+        return local, None
+    source = source_address_for(addresses[0])
+    return local, (net.interface_of(source, interfaces) if source else None)
 
 
 def gather(opts: Options, probes: Probes) -> Facts:
     """Ask every probe, concurrently; the slowest (torch's subprocess) bounds the wall time."""
     with ThreadPoolExecutor(max_workers=6, thread_name_prefix="doctor") as pool:
-        torch_f = pool.submit(probes.query_torch)
+        torch_f = pool.submit(probes.query_torch, opts.env)
         host_f = pool.submit(probes.read_host, opts.env)
         ifaces_f = pool.submit(probes.interfaces)
         hostname = probes.hostname()

@@ -6,16 +6,19 @@
     >>> [f.code for f in diag.others]        # the other codes seen, echoes included
 
 ``explain_file`` streams a file (or ``"-"`` for stdin, gzip read transparently) in
-bounded memory; ``Explainer`` takes a log in pieces as it is produced (the launcher
-uses it on its ranks' output). What is known about each failure is data:
+bounded memory; ``Explainer`` takes a log in pieces as it is produced (a caller
+that streams; the launcher instead calls ``explain_text`` once on a failed rank's
+output, after the fact). What is known about each failure is data:
 ``knowledge.toml`` next to this module (format: docs/explain.md).
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import sys
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
@@ -70,7 +73,9 @@ def explain_stream(stream: BinaryIO, kb: KnowledgeBase | None = None,
     while True:
         try:
             data = stream.read(BLOCK_BYTES)
-        except (OSError, EOFError) as exc:  # a truncated gzip, an I/O error mid-way
+        # a truncated gzip (EOFError), a corrupt one (zlib.error, not an OSError),
+        # an I/O error mid-way
+        except (OSError, EOFError, zlib.error) as exc:
             raise InputUnreadableError(f"{source}: reading failed ({exc})",
                                        fix="give a complete, readable log") from exc
         if not data:
@@ -93,7 +98,7 @@ def explain_file(path: str | os.PathLike[str], kb: KnowledgeBase | None = None) 
     directory, a file without read permission, or binary data.
     """
     if str(path) == "-":
-        return explain_stream(sys.stdin.buffer, kb, "<stdin>")
+        return _explain_binary(sys.stdin.buffer, kb, "<stdin>")
     p = Path(path)
     try:
         raw = p.open("rb")
@@ -106,15 +111,23 @@ def explain_file(path: str | os.PathLike[str], kb: KnowledgeBase | None = None) 
         raise InputUnreadableError(f"{p}: cannot be opened ({exc.strerror or exc})",
                                    fix="check the path and its permissions") from exc
     with raw:
-        if raw.read(2) == b"\x1f\x8b":
-            raw.seek(0)
-            stream: BinaryIO = gzip.GzipFile(fileobj=raw)  # type: ignore[assignment]
-        else:
-            raw.seek(0)
-            stream = raw
-        try:
-            return explain_stream(stream, kb, str(p))
-        finally:
-            if isinstance(stream, gzip.GzipFile):
-                stream.close()
+        return _explain_binary(raw, kb, str(p))
 
+
+def _explain_binary(raw: BinaryIO, kb: KnowledgeBase | None, source: str) -> Diagnosis:
+    """Diagnose *raw* (an opened file, a pipe, stdin), un-gzipping it when it is gzip.
+
+    The gzip magic is looked at with ``peek`` rather than read-then-seek, so a
+    pipe or FIFO (``explain <(cat x.log)``, ``explain - < x.log.gz``) works too.
+    """
+    buffered = (raw if isinstance(raw, io.BufferedReader)
+                else io.BufferedReader(raw))  # type: ignore[type-var]
+    try:
+        magic = buffered.peek(2)[:2]
+    except OSError as exc:
+        raise InputUnreadableError(f"{source}: reading failed ({exc})",
+                                   fix="give a complete, readable log") from exc
+    if magic != b"\x1f\x8b":
+        return explain_stream(buffered, kb, source)
+    with gzip.GzipFile(fileobj=buffered) as unzipped:
+        return explain_stream(unzipped, kb, source)  # type: ignore[arg-type]

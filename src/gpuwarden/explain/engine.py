@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
-from gpuwarden.explain.prefilter import PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
+from gpuwarden.explain.prefilter import BLOCK_BYTES, PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
 
-BLOCK_BYTES = 4 << 20            # read size; a block is cut back to its last newline
+# BLOCK_BYTES (from prefilter, whose anchor cost model is tuned to it): the read size;
+# a block is cut back to its last newline.
 MAX_LINE_BYTES = 1 << 20         # a "line" longer than this is scanned in pieces
 EVIDENCE_PER_SIGNATURE = 3       # matching lines kept per signature
 EVIDENCE_SHOWN = 6               # lines reported per code
@@ -142,11 +143,6 @@ class Diagnosis:
     def found(self) -> bool:
         return self.primary.code != NONE_CODE
 
-    @property
-    def codes(self) -> list[str]:
-        """Every code seen, primary first."""
-        return [self.primary.code, *(f.code for f in self.others)] if self.found else []
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -185,8 +181,9 @@ def _cut(text: str, start: int) -> str:
 class Explainer:
     """Feed a log in pieces (:meth:`feed_bytes`, :meth:`feed_lines`), then :meth:`result`.
 
-    The launcher uses it on ranks' output as it arrives; :func:`explain_file` feeds
-    it file blocks. Memory stays bounded whatever the log size.
+    :func:`explain_file` feeds it file blocks, :func:`explain_text` one piece (the
+    launcher calls that once on a failed rank's output, after the fact). Memory
+    stays bounded whatever the log size.
     """
 
     def __init__(self, kb: KnowledgeBase, source: str = "<text>") -> None:
@@ -252,7 +249,7 @@ class Explainer:
         low = block.lower()
         needed = [k for k in range(len(self._needles)) if self._needed(k)]
         if len(block) < PLAN_MIN_BYTES:
-            # a small piece (a short log, the launcher's live feed): choosing anchors
+            # a small piece (a short log, a live feed in pieces): choosing anchors
             # would cost more than looking for each keyword
             plan: list[tuple[bytes, tuple[int, ...]]] = [(self._needles[k][0], (k,)) for k in needed]
         else:

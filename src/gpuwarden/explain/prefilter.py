@@ -23,7 +23,8 @@ PLAN_MIN_BYTES = 1 << 20       # smaller blocks are searched for every keyword d
 # costs a few microseconds of Python (cut the line, check its keywords), about a
 # thousandth of a pass over a 4 MiB block.
 HIT_COST = 1e-3
-BLOCK_OVER_SAMPLE = (4 << 20) / SAMPLE_BYTES
+BLOCK_BYTES = 4 << 20         # the engine's read size (engine.BLOCK_BYTES is this one)
+BLOCK_OVER_SAMPLE = BLOCK_BYTES / SAMPLE_BYTES
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,7 +34,7 @@ from gpuwarden.doctor.net_checks import (
     check_route_interface,
     check_socket_ifname,
 )
-from gpuwarden.doctor.probes import Probes, RendezvousFacts
+from gpuwarden.doctor.probes import Probes, RendezvousFacts, locate_master
 from gpuwarden.errors import PortInUseError, RendezvousError
 from gpuwarden.launch.config import LaunchConfig
 
@@ -76,11 +76,8 @@ def check_rendezvous(config: LaunchConfig, env: dict[str, str], *, err: TextIO,
     hostname = probes.hostname()
     resolution = probes.resolve(addr)
     mine = {a for addrs in interfaces.values() for a in addrs}
-    local = resolution.ok and any(a in mine for a in resolution.addresses)
-    route = None
-    if resolution.ok:
-        source = probes.source_address_for(resolution.addresses[0])
-        route = net.interface_of(source, interfaces) if source else None
+    local, route = (locate_master(resolution.addresses, interfaces, probes.source_address_for)
+                    if resolution.ok else (False, None))
     facts = RendezvousFacts(addr, port, None, resolution, local, None, None, route)
     c = check_master_addr(facts, nnodes)
     if c.status is Status.FAIL:
@@ -152,8 +149,9 @@ def _wait_for_store(config: LaunchConfig, hostname: str, resolution: net.Resolut
     tries = 0
     while True:
         left = deadline - clock()
-        probe = probes.probe_tcp(addr, port) if left >= PROBE_TIMEOUT_S else \
-            net.probe_tcp(addr, port, timeout_s=max(0.2, left))
+        # MASTER_ADDR was resolved once above: every try connects to those addresses
+        probe = probes.connect_tcp(addr, resolution.addresses, port) if left >= PROBE_TIMEOUT_S \
+            else net.connect_tcp(resolution.addresses, port, timeout_s=max(0.2, left), host=addr)
         tries += 1
         if probe.ok:
             if last is not None:
