@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     kb = load_knowledge(args.knowledge) if args.knowledge else None
     diag = explain_file(args.file, kb)
     if args.json:
-        emit_json(_json_payload(diag))
+        emit_json(diag.to_dict())
     elif is_terminal(sys.stdout):
         _render_rich(diag)
     else:
@@ -50,40 +50,34 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FOUND if diag.found else EXIT_UNKNOWN
 
 
-def _json_payload(diag: Diagnosis) -> dict[str, Any]:
-    d = diag.to_dict()
-    return {"primary": d["primary"], "others": d["others"], "source": d["source"],
-            "lines_read": d["lines_read"], "bytes_read": d["bytes_read"]}
-
-
 def _where(f: Finding) -> str:
     rank = f", rank {f.first_rank}" if f.first_rank is not None else ""
     return f"line {f.first_line}{rank}"
 
 
-def render_plain(diag: Diagnosis) -> str:
-    """The four-part report of STYLE.md as plain text (also what the launcher prints)."""
+def _report_rows(diag: Diagnosis) -> list[tuple[str, str, str]]:
+    """The four-part report of STYLE.md as (label, text, rich style) rows; the first is the head."""
     p = diag.primary
-    out: list[str] = []
     if not diag.found:
-        out.append(f"unknown[NONE]: no known failure in {diag.source} "
-                   f"({diag.lines_read} lines read)")
-        out.append(f"  why: {p.why}")
-        out.append(f"  fix: {p.fix}")
-        return "\n".join(out) + "\n"
-    out.append(f"error[{p.code}]: {p.title}  (confidence {p.confidence:.2f}, {_where(p)})")
-    out.append(f"  why: {p.why}")
-    out.append(f"  fix: {p.fix}")
-    for detail in p.details:
-        out.append(f"  look at: {detail}")
+        return [("unknown[NONE]", f"no known failure in {diag.source} ({diag.lines_read} lines "
+                 "read)", "bold yellow"), ("why", p.why, "bold"), ("fix", p.fix, "bold")]
+    rows = [(f"error[{p.code}]", f"{p.title}  (confidence {p.confidence:.2f}, {_where(p)})",
+             "bold red"), ("why", p.why, "bold"), ("fix", p.fix, "bold green")]
+    rows += [("look at", detail, "bold cyan") for detail in p.details]
     if p.next:
-        out.append(f"  next: {p.next}")
-    for e in p.evidence:
-        out.append(f"  evidence: {diag.source}:{e.line}: {e.text}")
-    for f in diag.others:
-        kind = "echo" if f.echo else "also seen"
-        out.append(f"  {kind}: {f.code} at {_where(f)}, {f.matches} line(s): {f.title}")
-    return "\n".join(out) + "\n"
+        rows.append(("next", p.next, "bold"))
+    rows += [("evidence", f"{diag.source}:{e.line}: {e.text}", "bold") for e in p.evidence]
+    rows += [("echo" if f.echo else "also seen",
+              f"{f.code} at {_where(f)}, {f.matches} line(s): {f.title}", "dim" if f.echo else "yellow")
+             for f in diag.others]
+    return rows
+
+
+def render_plain(diag: Diagnosis) -> str:
+    """The report as plain text (piped output)."""
+    rows = _report_rows(diag)
+    head, *rest = rows
+    return "\n".join([f"{head[0]}: {head[1]}", *(f"  {label}: {text}" for label, text, _ in rest)]) + "\n"
 
 
 def _render_rich(diag: Diagnosis, stream: TextIO | None = None) -> None:
@@ -91,25 +85,5 @@ def _render_rich(diag: Diagnosis, stream: TextIO | None = None) -> None:
     from rich.markup import escape
 
     console = Console(file=stream or sys.stdout, highlight=False, soft_wrap=True)
-    p = diag.primary
-    if not diag.found:
-        console.print(f"[bold yellow]unknown[NONE][/]: no known failure in "
-                      f"{escape(diag.source)} ({diag.lines_read} lines read)")
-        console.print(f"  [bold]why:[/] {escape(p.why)}")
-        console.print(f"  [bold]fix:[/] {escape(p.fix)}")
-        return
-    console.print(f"[bold red]error\\[{p.code}][/]: [bold]{escape(p.title)}[/]  "
-                  f"[dim](confidence {p.confidence:.2f}, {_where(p)})[/]")
-    console.print(f"  [bold]why:[/] {escape(p.why)}")
-    console.print(f"  [bold green]fix:[/] {escape(p.fix)}")
-    for detail in p.details:
-        console.print(f"  [bold cyan]look at:[/] {escape(detail)}")
-    if p.next:
-        console.print(f"  [bold]next:[/] {escape(p.next)}")
-    for e in p.evidence:
-        console.print(f"  [bold]evidence:[/] [dim]{escape(diag.source)}:{e.line}:[/] "
-                      f"{escape(e.text)}")
-    for f in diag.others:
-        kind = "[dim]echo[/]" if f.echo else "[yellow]also seen[/]"
-        console.print(f"  {kind}: {f.code} at {_where(f)}, {f.matches} line(s): "
-                      f"{escape(f.title)}")
+    for i, (label, text, style) in enumerate(_report_rows(diag)):
+        console.print(f"{'' if i == 0 else '  '}[{style}]{escape(label)}[/]: {escape(text)}")

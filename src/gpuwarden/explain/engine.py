@@ -144,12 +144,12 @@ class Diagnosis:
         return self.primary.code != NONE_CODE
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        return {  # the answer first: `explain --json` prints exactly this
+            "primary": self.primary.to_dict(),
+            "others": [f.to_dict() for f in self.others],
             "source": self.source,
             "lines_read": self.lines_read,
             "bytes_read": self.bytes_read,
-            "primary": self.primary.to_dict(),
-            "others": [f.to_dict() for f in self.others],
         }
 
 
