@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
@@ -75,6 +75,10 @@ class LeaseRequest:
     slots_each: int = 1
     wait_s: float | None = None
     label: str = ""
+    # n="all": every GPU acceptable and free at the attempt (at least 1), decided under the
+    # directory mutex; ``constraints.count`` is then 1, the least that serves the request.
+    every_usable: bool = False
+    up_to: int | None = None  # n="all" only: take at most this many
 
     @property
     def gpus(self) -> int:
@@ -82,18 +86,19 @@ class LeaseRequest:
 
     def describe(self) -> str:
         return describe_request(self.gpus, self.constraints.min_free_bytes, self.slots_per_gpu,
-                                self.slots_each)
+                                self.slots_each, every_usable=self.every_usable)
 
 
-def make_request(n: int | None = None, *, min_free: str | int | None = None,
+def make_request(n: int | Literal["all"] | None = None, *, min_free: str | int | None = None,
                  slots_per_gpu: int = 1, slots_each: int = 1,
                  wait: str | float | None = None, constraints: Constraints | None = None,
-                 label: str | None = None) -> LeaseRequest:
+                 label: str | None = None, up_to: int | None = None) -> LeaseRequest:
     """Validate the arguments of :func:`acquire`; UsageError (exit 2) names the bad one."""
     base = constraints or Constraints()
-    count = base.count if n is None else n
-    if not isinstance(count, int) or count < 1:
-        raise UsageError(f"n={count!r}: a lease needs at least 1 GPU", fix="ask for n >= 1")
+    every_usable = n == "all"
+    count = 1 if every_usable else base.count if n is None else n
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise UsageError(f"n={count!r}: a lease needs at least 1 GPU", fix="ask for n >= 1, or n='all' for every usable GPU")
     if not isinstance(slots_per_gpu, int) or slots_per_gpu < 1:
         raise UsageError(f"slots_per_gpu={slots_per_gpu!r} must be 1 or more",
                          fix="1 for a whole GPU, K to let K requests share each GPU")
@@ -104,10 +109,14 @@ def make_request(n: int | None = None, *, min_free: str | int | None = None,
     if min_free is not None:
         given = min_free if isinstance(min_free, int) else parse_size(min_free, what="min_free")
         min_free_bytes = max(min_free_bytes, given)
+    if up_to is not None and (not every_usable or not isinstance(up_to, int) or up_to < 1):
+        raise UsageError(f"up_to={up_to!r}: only with n='all', and at least 1",
+                         fix="lease(n='all', up_to=2) takes every usable GPU, at most 2")
     wait_s = None if wait is None else parse_duration(wait, what="wait")
     return LeaseRequest(
         constraints=replace(base, count=count, min_free_bytes=min_free_bytes),
         slots_per_gpu=slots_per_gpu, slots_each=slots_each, wait_s=wait_s, label=label or "",
+        every_usable=every_usable, up_to=up_to,
     )
 
 
@@ -186,7 +195,7 @@ class Grant:
 class _Attempt:
     granted: Grant | None = None
     states: tuple[GpuState, ...] = ()
-    eligible: tuple[str, ...] = ()  # uuids usable if their leases went
+    usable: int = 0  # probe only: GPUs that could be granted now
     watch: tuple[Path, ...] = ()  # records whose end may free what we need
     ahead: int = 0
 
@@ -224,8 +233,11 @@ def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
     return frozenset(out)
 
 
-def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -> _Attempt:
-    """One try under the directory mutex. All-or-nothing: never keeps a partial claim."""
+def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
+             probe: bool = False) -> _Attempt:
+    """One try under the directory mutex. All-or-nothing: never keeps a partial claim.
+
+    ``probe``: take nothing, only count the GPUs this request could be granted now."""
     req = waiter.request
     directory = waiter.directory
     with _fs.dir_mutex(directory):
@@ -269,7 +281,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
         chosen: list[tuple[GPUSnapshot, list[tuple[int, int]]]] = []
         watch: list[Path] = []
         for gpu in eligible:
-            if len(chosen) == req.gpus:
+            if len(chosen) == (req.up_to if req.every_usable else req.gpus):
                 states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True,
                                             "free (not needed)", "free")
                 continue
@@ -294,7 +306,12 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
             states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True, "free", "free")
 
         ordered_states = tuple(states[g.uuid] for g in gpus)
-        if len(chosen) == req.gpus:
+        if probe:
+            for _gpu, taken in chosen:
+                for _slot, fd in taken:
+                    _fs.unlock_close(fd)
+            return _Attempt(states=ordered_states, usable=len(chosen))
+        if chosen and (req.every_usable or len(chosen) == req.gpus):
             grant = _grant(waiter, chosen)
             return _Attempt(granted=grant, states=ordered_states)
         for _gpu, taken in chosen:
@@ -307,8 +324,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
         ahead = sum(1 for t in earlier if mine.intersection(t.eligible))
         if will_wait:
             _write_ticket(waiter, eligible_ids)
-        return _Attempt(states=ordered_states, eligible=eligible_ids, watch=tuple(watch),
-                        ahead=ahead)
+        return _Attempt(states=ordered_states, watch=tuple(watch), ahead=ahead)
 
 
 def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, Record],
@@ -420,13 +436,17 @@ def _read_gpus(env: Mapping[str, str] | None) -> tuple[GPUSnapshot, ...]:
     return gpus
 
 
-def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_per_gpu: int = 1,
+def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None = None, slots_per_gpu: int = 1,
             slots_each: int = 1, wait: str | float | None = None,
             constraints: Constraints | None = None, label: str | None = None,
             on_wait: OnWait | None = None, lease_dir: str | Path | None = None,
             env: Mapping[str, str] | None = None,
-            visible: Sequence[GPUSnapshot] | None = None) -> Grant:
+            visible: Sequence[GPUSnapshot] | None = None, up_to: int | None = None) -> Grant:
     """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each) and return the Grant.
+
+    ``n="all"``: every GPU that is acceptable and free at the moment of the attempt (at least
+    one; waiting waits for the first), at most ``up_to``, decided under the lease lock, so
+    GPUs another lease holds are left to it rather than failing the request.
 
     ``wait``: None or 0 tries once; a duration ("10m", seconds, ``math.inf``) waits in
     line that long. ``constraints`` are select.py's (memory, utilization, include/exclude,
@@ -444,7 +464,8 @@ def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_pe
         UsageError (exit 2): a bad argument; NoGPUError (exit 3): GPU state cannot be read.
     """
     req = make_request(n, min_free=min_free, slots_per_gpu=slots_per_gpu,
-                       slots_each=slots_each, wait=wait, constraints=constraints, label=label)
+                       slots_each=slots_each, wait=wait, constraints=constraints, label=label,
+                       up_to=up_to)
     directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
         dict(env) if env is not None else None))
     waiter = _Waiter(req, directory)
@@ -453,6 +474,26 @@ def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_pe
     finally:
         if waiter.ticket is not None:
             waiter.ticket.remove()
+
+
+def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
+                 slots_each: int = 1, constraints: Constraints | None = None,
+                 lease_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
+                 visible: Sequence[GPUSnapshot] | None = None) -> int:
+    """How many GPUs ``acquire("all", ...)`` with these arguments would be granted now.
+
+    The same judgement as an attempt, under the same lock, but nothing is taken: a
+    prediction (another process may lease a GPU the next moment). Raises as :func:`acquire`.
+    """
+    req = make_request("all", min_free=min_free, slots_per_gpu=slots_per_gpu,
+                       slots_each=slots_each, constraints=constraints)
+    directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
+        dict(env) if env is not None else None))
+    gpus = tuple(visible) if visible is not None else _read_gpus(env)
+    try:
+        return _attempt(_Waiter(req, directory), gpus, will_wait=False, probe=True).usable
+    except OSError as exc:
+        raise _dir_error(directory, exc) from exc
 
 
 def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
@@ -506,14 +547,18 @@ def _attempt_mapped(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: 
     try:
         return _attempt(waiter, gpus, will_wait=will_wait)
     except OSError as exc:
-        # The directory passed prepare_dir; this is a full disk, a read-only remount, a
-        # lock file another user made unreadable, or a filesystem without flock.
-        raise LeaseDirError(
-            f"lease directory {str(waiter.directory)!r} cannot be used: "
-            f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
-            fix=f"check the directory and its files, or set {_fs.LEASE_DIR_ENV} to a local "
-            "directory",
-        ) from exc
+        raise _dir_error(waiter.directory, exc) from exc
+
+
+def _dir_error(directory: Path, exc: OSError) -> LeaseDirError:
+    # The directory passed prepare_dir; this is a full disk, a read-only remount, a
+    # lock file another user made unreadable, or a filesystem without flock.
+    return LeaseDirError(
+        f"lease directory {str(directory)!r} cannot be used: "
+        f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+        fix=f"check the directory and its files, or set {_fs.LEASE_DIR_ENV} to a local "
+        "directory",
+    )
 
 
 def _not_served(req: LeaseRequest, status: WaitStatus, wait_s: float) -> Exception:

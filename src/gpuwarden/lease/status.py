@@ -75,8 +75,9 @@ class WaitStatus:
                 "gpus": [g.to_dict() for g in self.gpus]}
 
 
-def describe_request(n: int, min_free_bytes: int, slots_per_gpu: int, slots_each: int) -> str:
-    what = f"{n} GPU{'s' if n != 1 else ''}"
+def describe_request(n: int, min_free_bytes: int, slots_per_gpu: int, slots_each: int, *,
+                     every_usable: bool = False) -> str:
+    what = "every usable GPU (at least 1)" if every_usable else f"{n} GPU{'s' if n != 1 else ''}"
     if slots_per_gpu > 1:
         what += f" ({slots_each} of {slots_per_gpu} slots each)"
     if min_free_bytes:
