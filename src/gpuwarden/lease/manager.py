@@ -36,6 +36,7 @@ from gpuwarden.lease.records import (
     OwnedRecord,
     Record,
     SlotClaim,
+    iter_holders,
     new_record_id,
     scan,
     this_process,
@@ -49,21 +50,11 @@ REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardle
 SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
 
 
-def slot_file_name(uuid: str, slots_per_gpu: int, slot: int) -> str:
-    # Old-style MIG ids contain '/'; nothing else in a uuid needs escaping.
-    return f"slot.{uuid.replace('/', '_')}.k{slots_per_gpu}.s{slot}.lock"
-
-
 def _slot_counts_in_use(names: Sequence[str], uuid: str) -> set[int]:
     """Every slots_per_gpu some request has ever used on ``uuid`` (lock files stay)."""
-    prefix = f"slot.{uuid.replace('/', '_')}.k"
-    out = set()
-    for name in names:
-        if name.startswith(prefix) and name.endswith(".lock"):
-            k_part = name[len(prefix):].split(".", 1)[0]
-            if k_part.isdigit():
-                out.add(int(k_part))
-    return out
+    escaped = _fs.escape_uuid(uuid)
+    return {parsed[1] for parsed in map(_fs.parse_slot_name, names)
+            if parsed is not None and parsed[0] == escaped}
 
 
 @dataclass(frozen=True)
@@ -243,9 +234,8 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
     with _fs.dir_mutex(directory):
         if waiter.arrival_ns is None:
             waiter.arrival_ns = time.monotonic_ns()
-        records, _corrupt = scan(directory)
-        names = os.listdir(directory)
-        holders = [r for r in records if r.kind == "holder"]
+        records, _corrupt, names = scan(directory)
+        holders = list(iter_holders(records))
         earlier = sorted((r for r in records if r.kind == "ticket"
                           and r.record_id != waiter.record_id
                           and (r.arrival_ns, r.record_id) < waiter.order()),
@@ -349,7 +339,7 @@ def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, R
 
 def _any_slot_held(directory: Path, uuid: str, slots_per_gpu: int) -> bool:
     for slot in range(slots_per_gpu):
-        path = directory / slot_file_name(uuid, slots_per_gpu, slot)
+        path = directory / _fs.slot_file_name(uuid, slots_per_gpu, slot)
         if not path.exists():
             continue
         fd = _fs.open_lock_file(path)
@@ -366,7 +356,7 @@ def _take_slots(gpu: GPUSnapshot, req: LeaseRequest, directory: Path
     """``slots_each`` free slots of ``gpu`` (slot number, locked fd), or None."""
     taken: list[tuple[int, int]] = []
     for slot in range(req.slots_per_gpu):
-        path = directory / slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
+        path = directory / _fs.slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
         fd = _fs.open_lock_file(path)
         # same_file: a lock on a file someone deleted and replaced would guard nothing.
         if _fs.try_lock(fd) and _fs.same_file(fd, path):

@@ -166,8 +166,11 @@ class Corrupt:
     problem: str
 
 
-def scan(directory: Path, *, cleanup: bool = True) -> tuple[list[Record], list[Corrupt]]:
-    """The live records of ``directory`` and the unreadable ones; stale ones are skipped.
+def scan(directory: Path, *, cleanup: bool = True
+         ) -> tuple[list[Record], list[Corrupt], list[str]]:
+    """The live records of ``directory``, the unreadable ones, and every name the directory
+    held (callers look for lock files in it without listing it again); stale records are
+    skipped.
 
     With ``cleanup``, stale records (nobody holds their lock) and leftover temporary
     files that belong to this user are deleted; other users' are left alone (the
@@ -178,7 +181,7 @@ def scan(directory: Path, *, cleanup: bool = True) -> tuple[list[Record], list[C
     try:
         names = os.listdir(directory)
     except OSError:
-        return live, corrupt
+        return live, corrupt, []
     for name in names:
         if not name.endswith(RECORD_SUFFIX) or not name.startswith((HOLDER_PREFIX, TICKET_PREFIX)):
             if cleanup and name.startswith(".") and name.endswith(".tmp"):
@@ -196,7 +199,7 @@ def scan(directory: Path, *, cleanup: bool = True) -> tuple[list[Record], list[C
             live.append(parse_record(path))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             corrupt.append(Corrupt(path, f"{type(exc).__name__}: {exc}"))
-    return live, corrupt
+    return live, corrupt, names
 
 
 def _remove_if_stale(path: Path, min_age_s: float = 0.0) -> None:
@@ -245,4 +248,5 @@ def parse_record(path: Path) -> Record:
 
 
 def iter_holders(records: list[Record]) -> Iterator[Record]:
+    """The holder records among ``records``."""
     return (r for r in records if r.kind == "holder")
