@@ -264,7 +264,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
             if verdict.accepted:
                 eligible.append(gpu)
             else:
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             verdict.reason, "refused")
         eligible.sort(key=preference_key)
 
@@ -272,7 +272,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
         watch: list[Path] = []
         for gpu in eligible:
             if len(chosen) == (req.up_to if req.every_usable else req.gpus):
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             "free (not needed)", "free")
                 continue
             blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, directory)
@@ -281,19 +281,19 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
                 if kind == "queued":
                     blockers = [next_ahead[gpu.uuid]]
                 watch.extend(b.path for b in blockers if b.path)
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False, reason, kind,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, reason, kind,
                                             tuple(b.record_id for b in blockers))
                 continue
             taken = _take_slots(gpu, req, directory)
             if taken is None:
                 holders_here = holders_of.get(gpu.uuid, [])
                 watch.extend(h.path for h in holders_here if h.path)
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             _leased_reason(gpu, req, holders_here), "leased",
                                             tuple(h.record_id for h in holders_here))
                 continue
             chosen.append((gpu, taken))
-            states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True, "free", "free")
+            states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, "free", "free")
 
         ordered_states = tuple(states[g.uuid] for g in gpus)
         if probe:

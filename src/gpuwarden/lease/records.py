@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.lease import _fs
+from gpuwarden.procs import short_command
 
 HOLDER_PREFIX = "holder."
 TICKET_PREFIX = "ticket."
@@ -93,14 +94,14 @@ def new_record_id() -> str:
 
 def this_process(kind: str, record_id: str, label: str | None, **fields: Any) -> Record:
     """A record describing the calling process."""
-    command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv)
-                       ) or sys.executable
+    argv = [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+    command = short_command(argv, width=300) if argv else sys.executable
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid {os.getuid()}"
     return Record(kind=kind, record_id=record_id, pid=os.getpid(), user=user,
-                  host=socket.gethostname(), command=command[:300],
+                  host=socket.gethostname(), command=command,
                   label=label or "", started_at=time.time(), **fields)
 
 
