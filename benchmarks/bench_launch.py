@@ -55,7 +55,8 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, cap_s: float | None
     return time.monotonic() - start, code, time.time()
 
 
-def pairs(name: str, a: list[str], b: list[str], n: int, since_mark: bool = False) -> tuple[float, float]:
+def pairs(name: str, a: list[str], b: list[str], n: int, since_mark: bool = False,
+          expect_failure: bool = False) -> tuple[float, float]:
     ours, theirs = [], []
     for _ in range(n):
         for cmd, out in ((a, ours), (b, theirs)):
@@ -63,6 +64,10 @@ def pairs(name: str, a: list[str], b: list[str], n: int, since_mark: bool = Fals
                 mark = os.path.join(tmp, "mark")
                 env = {**os.environ, "BENCH_MARK_FILE": mark}
                 wall, code, ended = timed(cmd, env)
+                # A run that ended the wrong way measured something else: stop, don't report it.
+                if code is None or (code != 0) != expect_failure:
+                    raise SystemExit(f"{name}: {' '.join(cmd)} exited {code}, expected "
+                                     f"{'a failure' if expect_failure else '0'}")
                 if since_mark:
                     with open(mark) as f:
                         wall = ended - float(f.read())
@@ -92,7 +97,7 @@ def main() -> None:
     pairs("launch → finish, all_reduce", gpuwarden(ROOT / "examples" / "allreduce.py"),
           torchrun(ROOT / "examples" / "allreduce.py"), args.pairs)
     pairs("rank crash → launcher exit", gpuwarden(HERE / "crash_after_init.py"),
-          torchrun(HERE / "crash_after_init.py"), args.pairs, since_mark=True)
+          torchrun(HERE / "crash_after_init.py"), args.pairs, since_mark=True, expect_failure=True)
 
     stall_s = 5.0
     with tempfile.TemporaryDirectory() as tmp:

@@ -203,8 +203,12 @@ def main() -> int:
         print(f"  ratios gpuwarden / filelock: hand-off (median) "
               f"{statistics.median(ours_hand) / statistics.median(fl_hand):.2f}x, worst wait "
               f"{max(ours_lat) / max(fl_lat):.2f}x, throughput {fl_wall / ours_wall:.2f}x")
-        print("  (filelock's median wait is tiny because a releasing process usually takes the "
-              "lock straight back: it serves in no order, hence its worst wait)")
+        if (statistics.median(fl_lat) < statistics.median(ours_lat)
+                and max(fl_lat) > max(ours_lat)):
+            # Only when the numbers show it: a short median with a long tail is what unordered
+            # service looks like (a releasing process takes the lock straight back).
+            print("  (filelock: shorter median wait but a longer worst wait: it serves in no "
+                  "order, so a releasing process often takes the lock straight back)")
     return 0
 
 

@@ -17,12 +17,15 @@ import time
 from pathlib import Path
 
 GPUWARDEN = str(Path(sys.executable).with_name("gpuwarden"))
+# name -> (argv, the exit codes a complete run may end with). doctor exits 0 or 1 by the worst
+# check on this machine; with an unresolvable MASTER_ADDR it must fail (1). Anything else (a
+# usage error, a traceback) would time a run that did not do the work.
 TOOLS = {
-    "gpuwarden doctor --json": [GPUWARDEN, "doctor", "--json"],
-    "gpuwarden doctor --json --master-addr wrong.address.invalid --master-port 29500": [
-        GPUWARDEN, "doctor", "--json", "--master-addr", "wrong.address.invalid",
-        "--master-port", "29500"],
-    "python -m torch.utils.collect_env": [sys.executable, "-m", "torch.utils.collect_env"],
+    "gpuwarden doctor --json": ([GPUWARDEN, "doctor", "--json"], {0, 1}),
+    "gpuwarden doctor --json --master-addr wrong.address.invalid --master-port 29500": (
+        [GPUWARDEN, "doctor", "--json", "--master-addr", "wrong.address.invalid",
+         "--master-port", "29500"], {1}),
+    "python -m torch.utils.collect_env": ([sys.executable, "-m", "torch.utils.collect_env"], {0}),
 }
 
 
@@ -30,10 +33,12 @@ def main() -> None:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     times: dict[str, list[float]] = {name: [] for name in TOOLS}
     for _ in range(runs):
-        for name, argv in TOOLS.items():
+        for name, (argv, valid_exits) in TOOLS.items():
             start = time.monotonic()
-            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            code = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
             times[name].append(time.monotonic() - start)
+            if code not in valid_exits:
+                raise SystemExit(f"{name} exited {code}, expected one of {sorted(valid_exits)}")
     base = statistics.median(times["python -m torch.utils.collect_env"])
     print(f"{'tool':<82} {'median s':>9} {'min s':>7} {'vs collect_env':>15}")
     for name, values in times.items():

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -68,6 +67,10 @@ print(json.dumps(out))
 
 class Interrupted(Exception):
     """SIGTERM/SIGINT/SIGHUP reached verify-gpu: stop, clean up, write what we have."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 @dataclass
@@ -122,30 +125,15 @@ def run_command(name: str, argv: list[str], *, cwd: Path, env: dict[str, str], t
                 groups: Groups, logs: Path) -> Result:
     """Run one command in its own session, bounded, output to logs/<name>.log; kill its group."""
     log_path = logs / f"{_slug(name)}.log"
-    start = time.monotonic()
-    timed_out = False
     if timeout_s <= 0:
         log_path.write_text("not run: no time left in the budget\n")
         return Result(name, argv, None, 0.0, True, str(log_path.relative_to(logs.parent)))
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
-    groups.alive.add(proc.pid)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
-        except ProcessLookupError:
-            pass
-        groups.alive.discard(proc.pid)
-    seconds = time.monotonic() - start
-    log_path.write_text(f"$ {' '.join(argv)}\n(cwd {cwd}, exit {proc.returncode}, {seconds:.1f} s"
+    exit_code, out, seconds, timed_out = catalog.run_in_session(
+        argv, cwd=cwd, env=env, timeout_s=timeout_s, on_start=groups.alive.add,
+        on_end=groups.alive.discard)
+    log_path.write_text(f"$ {' '.join(argv)}\n(cwd {cwd}, exit {exit_code}, {seconds:.1f} s"
                         f"{', killed at the deadline' if timed_out else ''})\n\n{out}")
-    return Result(name, argv, proc.returncode, seconds, timed_out,
+    return Result(name, argv, exit_code, seconds, timed_out,
                   str(log_path.relative_to(logs.parent)), out)
 
 
@@ -157,42 +145,16 @@ def _slug(name: str) -> str:
 
 
 def nvml_facts() -> dict[str, Any]:
-    """Driver, CUDA driver version and GPUs from NVML (queries only)."""
-    try:
-        import pynvml
-    except ImportError:
-        return {"error": "nvidia-ml-py is not installed"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:
-        return {"error": f"NVML: {exc}"}
-    try:
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
-        facts: dict[str, Any] = {
-            "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
-            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
-            "gpus": [],
-        }
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            facts["gpus"].append({
-                "index": i, "name": _text(pynvml.nvmlDeviceGetName(h)),
-                "memory_total_bytes": int(mem.total), "memory_used_bytes": int(mem.used),
-                "compute_mode": int(pynvml.nvmlDeviceGetComputeMode(h)),
-            })
-        return facts
-    except Exception as exc:
-        return {"error": f"NVML query failed: {exc}"}
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    """Driver, CUDA driver version and GPUs, read through gpuwarden's own NVML backend."""
+    from gpuwarden.errors import GpuwardenError
+    from gpuwarden.inventory.nvml import NvmlBackend
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    try:
+        host = NvmlBackend().read_host()
+    except GpuwardenError as exc:
+        return {"error": exc.what}
+    return {"driver": host.driver_version, "cuda_driver": host.cuda_driver_version,
+            "gpus": [g.to_dict() for g in host.gpus]}
 
 
 def gpu_count(facts: dict[str, Any]) -> int:
@@ -274,7 +236,7 @@ def stage_stories(ctx: Context) -> list[dict[str, Any]]:
                       catalog.STORIES_DIR / run.story, min(run.timeout_s, ctx.left("stories")))
         code = None
         if res.exit_code not in (0, None, catalog.SKIP_EXIT):
-            code = explain(res.output)
+            code = catalog.explain_code(res.output)
         verdict = story_verdict(run, res, code)
         rows.append({"story": run.story, "script": run.script, "args": list(run.args),
                      "gpu_only": run.gpu_only, "exit_code": res.exit_code,
@@ -283,10 +245,6 @@ def stage_stories(ctx: Context) -> list[dict[str, Any]]:
                      "verdict": verdict, "ok": verdict == "ok" or verdict.startswith("skipped"),
                      "log": res.log})
     return rows
-
-
-def explain(text: str) -> str:
-    return catalog.explain_code(text)
 
 
 def gpu_benchmarks(bench_dir: Path) -> list[tuple[Path, list[str]]]:
@@ -358,6 +316,7 @@ def run_all(ctx: Context, stages: list[str]) -> dict[str, Any]:
             report["benchmarks"] = stage_benchmarks(ctx)
     except Interrupted as exc:
         report["interrupted"] = str(exc)
+        report["interrupted_signal"] = exc.signum
     except Exception:  # a bug here must still leave a report and no process behind
         import traceback
 
@@ -489,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(out, args.python, args.budget_s, nvml, stories)
 
     def interrupt(signum: int, _frame: Any) -> None:
-        raise Interrupted(f"received {signal.Signals(signum).name}")
+        raise Interrupted(signum)
 
     old_handlers = {sig: signal.signal(sig, interrupt)
                     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
@@ -502,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"verify-gpu: {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']} s; "
           f"report: {out / 'report.md'}", file=sys.stderr)
     if report.get("interrupted"):
-        return 128 + int(getattr(signal, report["interrupted"].split()[-1], signal.SIGTERM))
+        return 128 + int(report["interrupted_signal"])
     return 0 if report["ok"] else 1
 
 

@@ -16,8 +16,6 @@ SCENARIOS = Path(__file__).parent / "scenarios"
 EXAMPLE_SCENARIO = Path(__file__).resolve().parents[2] / "shared" / "scenarios" / "example.json"
 
 
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # No test (nor a process a test starts) may touch the host's real lease directory:
     # a developer's running jobs would block tests, and tests would block the jobs.

@@ -104,6 +104,15 @@ def test_ls_marks_hidden_gpus(scenario, capsys, monkeypatch) -> None:
     assert [g["cuda_ordinal"] for g in json.loads(out)["gpus"]] == [1, None, 0, None]
 
 
+def test_ls_shows_cuda_numbering_when_only_reordered(scenario, capsys, monkeypatch) -> None:
+    scenario("example")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2,1,0")
+    code, out, _ = run(capsys, "ls")
+    assert code == 0
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
+    assert rows == {"0": "cuda:3", "1": "cuda:2", "2": "cuda:1", "3": "cuda:0"}
+
+
 def test_ls_mig_and_busy(scenario, capsys) -> None:
     scenario("mig")
     code, out, _ = run(capsys, "ls", "--json")

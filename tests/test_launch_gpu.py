@@ -13,13 +13,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftover_processes")]
 
 
 def gpu_count() -> int:
-    import pynvml
+    from gpuwarden.inventory.nvml import NvmlBackend
 
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
+    return len(NvmlBackend().read_host().gpus)
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +41,19 @@ def test_set_device_local_rank_works_when_each_rank_sees_one_gpu(capsys: pytest.
     assert code == 0, err
     for rank in range(n):
         assert f"[rank{rank}]: rank {rank} current_device=0 count=1 sum={n * (n + 1) // 2}" in out
+
+
+@pytest.mark.timeout(180)
+def test_set_device_local_rank_maps_to_the_ranks_own_gpu_on_one_gpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """LOCAL_RANK 1 on a host with one GPU: set_device(1) must land on the rank's GPU (cuda:0),
+    not fail as an invalid ordinal. --share puts both ranks on GPU 0, so this runs on any GPU host."""
+    code = main(["launch", "--share", "-n", "2", "--gpus", "1", str(SCRIPTS / "nccl_set_device.py"),
+                 "--no-collective"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"[rank{rank}]: rank {rank} local {rank} current_device=0 count=1" in out
 
 
 @pytest.mark.timeout(180)

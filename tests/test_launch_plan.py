@@ -13,7 +13,6 @@ import pytest
 from gpuwarden._rank import _patch_cuda
 from gpuwarden.distributed import WorldEnv, choose_device, detect_world
 from gpuwarden.errors import ConstraintError, GpuwardenError, PortInUseError, UsageError
-from gpuwarden.inventory import read_visible
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
@@ -127,8 +126,10 @@ def test_gpus_all_takes_every_usable_gpu(scenario) -> None:  # type: ignore[no-u
 def test_no_gpu_host_runs_on_cpu_unless_gpus_were_required(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("nogpu")
     assert taken_gpus(cfg(nproc=2)) == ()
-    _host, visible = read_visible()
-    assert visible == ()
+    # The driver answers and shows no GPU: not NVML_UNAVAILABLE (NoGPUError) but too few GPUs.
+    with pytest.raises(ConstraintError) as info:
+        take_gpus(cfg(gpus=2))
+    assert info.value.exit_code == 4 and "2 GPU(s) requested, 0 of 0 usable" in info.value.what
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -8,12 +8,14 @@ and the two stall cases.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -297,3 +299,64 @@ def test_supervisor_never_imports_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
+
+
+def _multinode_crash_plan(tmp_path: Path, node_rank: int):  # type: ignore[no-untyped-def]
+    from gpuwarden.launch.config import LaunchConfig
+    from gpuwarden.launch.plan import make_plan
+
+    # Two nodes on paper; crash.py imports no torch, so nothing ever connects to the address.
+    config = LaunchConfig(target=str(SCRIPTS / "crash.py"), args=("raise",), nproc=2, cpu=True,
+                          grace_s=1.0, nnodes=2, node_rank=node_rank, master_addr="198.18.0.1",
+                          master_port=29999)
+    return make_plan(config, (), master_port=29999, run_id="mn-kill", run_dir=str(tmp_path),
+                     supervisor_pid=os.getpid(), python=sys.executable,
+                     base_env=os.environ)
+
+
+def _kill_after(piddir: Path, delay_s: float) -> threading.Thread:
+    """Watchdog: if the supervisor never SIGKILLs the ranks that ignore SIGTERM, kill them here
+    so run() returns and the test fails on its timing instead of hanging."""
+    def kill() -> None:
+        time.sleep(delay_s)
+        for pid in pids_in(piddir):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    t = threading.Thread(target=kill, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_multinode_ranks_ignoring_sigterm_are_killed_after_grace(
+        tmp_path: Path, node_rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 whose rank failed, and node 1 stopping because another node aborted: ranks that
+    ignore SIGTERM get SIGKILL after --grace, as on one node (node 0 sets no abort key and a
+    node told to stop does not send one back, so neither may wait on that step)."""
+    from gpuwarden.launch.supervisor import Supervisor
+
+    monkeypatch.setenv("PIDDIR", str(tmp_path))
+    plan = _multinode_crash_plan(tmp_path, node_rank)
+    sup = Supervisor(plan, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))  # noqa: SIM115
+    if node_rank == 1:
+        # Ranks 2 and 3 never fail; what node 0's rank 1 set in the store reaches this node
+        # through a rank's peers file, written by its store watch (here, once both ignore SIGTERM).
+        def abort_arrives() -> None:
+            wait_for_files(tmp_path, 2)
+            time.sleep(0.3)
+            Path(plan.ranks[0].files.peers).write_text(json.dumps(
+                {"connected": True, "abort": {"rank": 1, "node": 0, "what": "rank 1 failed"}}))
+
+        threading.Thread(target=abort_arrives, daemon=True).start()
+    _kill_after(tmp_path, 15.0)
+    outcome = sup.run()
+    took = outcome.ended_at - outcome.started_at
+    survivors = [r for r in plan.local_ranks if r != 1]
+    assert took < 1.0 + 6.0, f"ranks ignoring SIGTERM outlived --grace 1s by {took - 1:.1f} s"
+    for rank in survivors:
+        assert outcome.exits[rank].returncode == -signal.SIGKILL
+    if node_rank == 1:
+        assert outcome.stopped_for == "abort"
+    assert not wait_until_gone(pids_in(tmp_path), 3.0)

@@ -182,12 +182,46 @@ def test_explicit_flags_win_over_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _config(["--cpu", "--standalone"]).nnodes == 1
 
 
+def test_single_node_slurm_step_chooses_its_own_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One node: the job-id port is no --master-port the user gave. Two launches in one
+    allocation must not collide on it, nor be refused when it is busy."""
+    one_node = {"SLURM_JOB_ID": "81234", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1",
+                "SLURM_JOB_NODELIST": "gpu07", "SLURM_STEP_NODELIST": "gpu07",
+                "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0",
+                "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}
+    for k, v in one_node.items():
+        monkeypatch.setenv(k, v)
+    config = _config(["--cpu"])
+    assert config.nnodes == 1 and not config.multinode
+    assert config.master_port is None  # chosen free at launch, as without Slurm
+    assert config.master_addr == "127.0.0.1"
+    assert _config([]).nproc == 2  # the allocation's GPUs still give the ranks per node
+
+
+def test_slurm_master_is_the_same_for_the_launcher_and_detect_world() -> None:
+    """srun-started ranks (detect_world) and srun-started launchers must derive one port from
+    one job id, whichever spelling Slurm used, array jobs included."""
+    from gpuwarden.distributed import detect_world
+
+    for job in ({"SLURM_JOBID": "81234"}, {"SLURM_JOB_ID": "123_4"}, {"SLURM_JOBID": "123_4"}):
+        env = {**{k: v for k, v in SRUN_ENV.items() if k not in ("SLURM_JOB_ID",)}, **job}
+        settings = slurm_settings(env)
+        assert settings is not None
+        world = detect_world(env)
+        assert (world.master_addr, world.master_port) == (settings.master_addr, settings.master_port)
+        number = int(next(iter(job.values())).split("_")[0])
+        assert settings.master_port == 10000 + number % 20000
+    with pytest.raises(UsageError, match="SLURM_JOB_ID"):
+        slurm_settings({**SRUN_ENV, "SLURM_JOB_ID": "abc"})
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--nnodes", "2", "--master-addr", "10.0.0.1"], "needs --master-port"),
     (["--nnodes", "2", "--master-port", "29500"], "needs --master-addr"),
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"],
      "--node-rank 2 is not in 0..1"),
     (["--nnodes", "1:4"], "elastic membership"),
+    (["--nnodes", "0"], "at least one node"),
 ])
 def test_multinode_flags_are_validated(argv: list[str], message: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:

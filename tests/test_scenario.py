@@ -62,3 +62,12 @@ def test_unreadable_files(tmp_path: Path) -> None:
     assert "line 1" in (err.value.why or "")
     with pytest.raises(ScenarioError, match="cannot be read"):
         SimulatedBackend(tmp_path).read_host()  # a directory
+
+
+def test_scenario_fields_reach_the_snapshot() -> None:
+    data = json.loads((SCENARIOS / "example.json").read_text())
+    gpu0 = SimulatedBackend(SCENARIOS / "example.json").read_host().gpus[0]
+    raw = data["gpus"][0]
+    assert gpu0.uuid == raw["uuid"] and gpu0.pci_bus_id == raw["pci_bus_id"]
+    assert gpu0.memory_used_bytes == raw["memory_used_mib"] * 1024**2
+    assert gpu0.processes[0].user == "bob" and gpu0.processes[0].pid == 4242

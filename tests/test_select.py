@@ -6,7 +6,7 @@ import pytest
 
 from gpuwarden.errors import ConstraintError
 from gpuwarden.inventory.simulated import SimulatedBackend
-from gpuwarden.select import Constraints, select
+from gpuwarden.select import Constraints, Refusal, select
 from gpuwarden.units import GIB
 from tests.conftest import SCENARIOS
 
@@ -109,3 +109,15 @@ def test_no_gpus() -> None:
     sel = select((), Constraints(count=1))
     assert not sel.satisfied
     assert sel.error().why == "no GPU is visible to this process"
+
+
+def test_fix_hints_follow_the_refusal_not_words_in_a_command_line() -> None:
+    # A foreign process whose command mentions "free" and "utilization" must not make the
+    # error suggest --min-free or --max-util, which were never the reason.
+    gpu = host("example")[0]
+    proc = replace(gpu.processes[0], command="python high_utilization_free_mem.py")
+    sel = select([replace(gpu, processes=(proc,))], Constraints(count=1))
+    assert sel.verdicts[0].refusal is Refusal.IN_USE
+    fix = sel.error().fix or ""
+    assert "--allow-shared" in fix
+    assert "--min-free" not in fix and "--max-util" not in fix

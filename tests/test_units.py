@@ -34,13 +34,14 @@ def test_parse_size_rejects_with_fix(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30s", 30), ("10m", 600), ("1h30m", 5400), ("500ms", 0.5), ("2.5", 2.5), ("0", 0), (7, 7)],
+    [("30s", 30), ("10m", 600), ("1h30m", 5400), ("500ms", 0.5), ("2.5", 2.5), ("0", 0), (7, 7),
+     ("inf", float("inf"))],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["", "10x", "m10", "10m x", "-5"])
+@pytest.mark.parametrize("text", ["", "10x", "m10", "10m x", "-5", "nan", "NaN"])
 def test_parse_duration_rejects(text: str) -> None:
     with pytest.raises(UsageError):
         parse_duration(text, what="--wait")

@@ -38,16 +38,16 @@ def carrying(run_id: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("argv, env_out, expected", [
-    ([], None, 2),  # no OUTDIR and no $OUT
-    (["{tmp}", "--stages", "tests,nonsense"], None, 2),
-    (["{tmp}", "--story", "9-no-such-story"], None, 2),
-    (["{tmp}", "--budget-s", "0"], None, 2),
+@pytest.mark.parametrize("argv", [
+    [],  # no OUTDIR and no $OUT
+    ["{tmp}", "--stages", "tests,nonsense"],
+    ["{tmp}", "--story", "9-no-such-story"],
+    ["{tmp}", "--budget-s", "0"],
 ])
 def test_bad_arguments_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                              argv: list[str], env_out: str | None, expected: int) -> None:
+                              argv: list[str]) -> None:
     monkeypatch.delenv("OUT", raising=False)
-    assert verify_gpu.main([a.format(tmp=tmp_path) for a in argv]) == expected
+    assert verify_gpu.main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert not (tmp_path / "report.json").exists()
 
 
@@ -85,7 +85,7 @@ def test_a_failing_story_is_reported_with_explains_code(tmp_path: Path) -> None:
     fake = verify_gpu.Result("x", [], 1, 3.0, False, "logs/x.log",
                              "DistNetworkError: The server socket has failed to listen on any local "
                              "network address. port: 1, useIpv6: false, code: -98, name: EADDRINUSE")
-    code = verify_gpu.explain(fake.output)
+    code = verify_gpu.catalog.explain_code(fake.output)
     assert code == "RDZV_PORT_IN_USE"
     assert verify_gpu.story_verdict(run, fake, code) == "ok"
     assert verify_gpu.story_verdict(run, fake, "NONE") == "FAILED (explain said NONE, expected RDZV_PORT_IN_USE)"
@@ -109,6 +109,30 @@ def test_a_command_past_its_deadline_is_killed_with_its_children(tmp_path: Path)
     assert not wait_until_gone([child], 5.0)
     assert "killed at the deadline" in (tmp_path / res.log).read_text()
     assert not groups.alive
+
+
+@pytest.mark.timeout(30)
+def test_a_grandchild_in_its_own_session_does_not_hold_the_deadline(tmp_path: Path) -> None:
+    # Story 3's hog and story 4's port holder start sessions of their own and inherit the
+    # story's output: the deadline must hold all the same (reading a pipe to its end would not).
+    groups = verify_gpu.Groups("t3")
+    (tmp_path / "logs").mkdir()
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(25)'], "
+              "start_new_session=True); print(c.pid, flush=True); time.sleep(60)")
+    start = time.monotonic()
+    res = verify_gpu.run_command("escaper", [sys.executable, "-c", script], cwd=tmp_path,
+                                 env=dict(os.environ), timeout_s=2, groups=groups,
+                                 logs=tmp_path / "logs")
+    try:
+        assert res.timed_out and time.monotonic() - start < 8
+    finally:
+        escaped = int(res.output.split()[0])
+        try:
+            os.kill(escaped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        wait_until_gone([escaped], 5.0)
 
 
 @pytest.mark.timeout(30)

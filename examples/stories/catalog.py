@@ -18,9 +18,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Re-exported: the story tests and verify-gpu ask the catalog whether GPU parts can run.
+from gpuwarden.inventory import real_gpu_present as has_gpu  # noqa: F401
 
 STORIES_DIR = Path(__file__).resolve().parent
 SKIP_EXIT = 77
@@ -51,36 +56,47 @@ class Outcome:
     timed_out: bool = False
 
 
+def run_in_session(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float,
+                   on_start: Callable[[int], None] | None = None,
+                   on_end: Callable[[int], None] | None = None) -> tuple[int, str, float, bool]:
+    """Run ``argv`` in its own session, bounded by ``timeout_s``, and SIGKILL its process group
+    after; return (exit code, stdout+stderr, seconds, timed out).
+
+    Output goes to a temporary file, not a pipe: a grandchild that started a session of its own
+    (story 3's memory hog, story 4's port holder) may keep the output open long after the story
+    ended, and reading a pipe to its end would wait for it.
+    """
+    start = time.monotonic()
+    timed_out = False
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        if on_start is not None:
+            on_start(proc.pid)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group goes too
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            if on_end is not None:
+                on_end(proc.pid)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return proc.returncode, text, time.monotonic() - start, timed_out
+
+
 def run(story_run: StoryRun, extra_env: dict[str, str] | None = None) -> Outcome:
     """Run one story part; stdout and stderr together, as a user would see them."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **story_run.env, **(extra_env or {})}
-    cwd = STORIES_DIR / story_run.story
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, story_run.script, *story_run.args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    timed_out = False
-    try:
-        out, _ = proc.communicate(timeout=story_run.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    finally:
-        # Whatever the script left in its group (it should have left nothing) goes too.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return Outcome(story_run, proc.returncode, out, time.monotonic() - start, timed_out)
-
-
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
-
+    code, output, seconds, timed_out = run_in_session(
+        [sys.executable, story_run.script, *story_run.args], cwd=STORIES_DIR / story_run.story,
+        env=env, timeout_s=story_run.timeout_s)
+    return Outcome(story_run, code, output, seconds, timed_out)
 
 def explain_code(text: str) -> str:
     """``gpuwarden explain``'s primary failure code for ``text``."""

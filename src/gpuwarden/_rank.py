@@ -237,6 +237,7 @@ def main(argv: list[str]) -> int:
     _set(Phase.STARTED)  # only now may the supervisor send the stack signal
 
     code = 0
+    failed_marked = False
     try:
         _run(argv)
     except SystemExit as exc:
@@ -250,15 +251,16 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         code = 130
     except BaseException as exc:
+        # FAILED first: the supervisor stops the other ranks while this one writes its record.
         _set(Phase.FAILED)
         if env.get("GPUWARDEN_ERROR_FILE"):
             _write_error(env["GPUWARDEN_ERROR_FILE"], exc)
         sys.stderr.write(_user_traceback(exc))
         code = 1
-    else:
-        _set(Phase.FINISHED)
+        failed_marked = True
     if code != 0:
-        _set(Phase.FAILED)
+        if not failed_marked:
+            _set(Phase.FAILED)
         _tell_other_nodes(code)
     else:
         _set(Phase.FINISHED)

@@ -154,7 +154,6 @@ def stop() -> None:
 def abort_from_rank(record: dict[str, Any]) -> bool:
     if _watch is None:
         return False
-    _watch.join(timeout=0.0)
     return _watch.abort(record)
 
 

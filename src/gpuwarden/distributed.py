@@ -84,13 +84,12 @@ def detect_world(env: Mapping[str, str] | None = None) -> WorldEnv:
         return WorldEnv(num("RANK"), world, num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", world),
                         _master_addr(env, None), num("MASTER_PORT", 29500), launcher)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        from gpuwarden.nodelist import first_host
+        from gpuwarden.launch.slurm import slurm_master
 
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        default_addr = first_host(nodes) if nodes else None
-        job_id = num("SLURM_JOB_ID", 0)
-        # The same port on every task of a job without any exchange; distinct for distinct jobs.
-        port = num("MASTER_PORT", 10000 + job_id % 20000)
+        # The same address and port on every task of a job without any exchange, and the same
+        # as `srun gpuwarden launch` derives; distinct ports for distinct jobs.
+        default_addr, job_port = slurm_master(env)
+        port = num("MASTER_PORT", 10000 if job_port is None else job_port)
         world = num("SLURM_NTASKS")
         local_world = num("SLURM_NTASKS_PER_NODE", 0) or num("SLURM_TASKS_PER_NODE", world)
         return WorldEnv(num("SLURM_PROCID"), world, num("SLURM_LOCALID", 0), local_world,
@@ -218,7 +217,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
                               stall_timeout_s=parse_duration(stall_timeout, what="stall_timeout"),
                               grace_s=parse_duration(grace, what="grace"))
         argv = (sys.executable, "-m", "gpuwarden._rank", "--call", payload)
-        report, _ = launch(config, argv_for=lambda _c: argv, run_dir=work)
+        report, _ = launch(config, argv=argv, run_dir=work)
         if not report.ok:
             raise SpawnError(report.what, why=report.why, fix=report.fix,
                              evidence=[*report.evidence, *(f"{h}: {' | '.join(b[:6])}" for h, b in report.sections)],

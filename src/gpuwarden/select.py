@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from gpuwarden.errors import ConstraintError
@@ -33,18 +34,34 @@ class Constraints:
     unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
+class Refusal(str, Enum):
+    """Why a GPU was refused, as data: fix hints and callers decide by this, not by the prose."""
+
+    NOT_INCLUDED = "not_included"
+    EXCLUDED = "excluded"
+    UNAVAILABLE = "unavailable"  # a caller's reason (a lease)
+    PROHIBITED = "prohibited"
+    MIG = "mig"
+    EXCLUSIVE_HELD = "exclusive_held"
+    IN_USE = "in_use"
+    MEMORY = "memory"
+    UTILIZATION = "utilization"
+
+
 @dataclass(frozen=True)
 class Verdict:
     gpu: GPUSnapshot
     accepted: bool
     reason: str
+    refusal: Refusal | None = None  # set exactly when not accepted
 
     def line(self) -> str:
         return f"{self.gpu.label}: {'ok' if self.accepted else 'refused'}: {self.reason}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.gpu.index, "uuid": self.gpu.uuid, "id": self.gpu.cuda_id,
-                "accepted": self.accepted, "reason": self.reason}
+                "accepted": self.accepted, "reason": self.reason,
+                "refusal": None if self.refusal is None else self.refusal.value}
 
 
 @dataclass(frozen=True)
@@ -86,13 +103,13 @@ class Selection:
 
 
 def _fix_hint(sel: Selection) -> str:
-    reasons = " ".join(v.reason for v in sel.rejected)
+    kinds = {v.refusal for v in sel.rejected}
     hints = []
-    if "in use by" in reasons:
+    if Refusal.IN_USE in kinds:
         hints.append("--allow-shared to share GPUs in the default compute mode")
-    if "free" in reasons:
+    if Refusal.MEMORY in kinds:
         hints.append("a lower --min-free")
-    if "utilization" in reasons:
+    if Refusal.UTILIZATION in kinds:
         hints.append("a higher --max-util")
     hints.append("fewer GPUs, or wait for GPUs to free (gpuwarden run --wait)")
     return "ask for " + ", or ".join(hints)
@@ -112,31 +129,34 @@ def judge(gpu: GPUSnapshot, c: Constraints) -> Verdict:
     foreign = [p for p in gpu.processes if p.pid not in c.own_pids]
     free = format_bytes(gpu.memory_free_bytes)
 
-    def no(reason: str) -> Verdict:
-        return Verdict(gpu, False, reason)
+    def no(kind: Refusal, reason: str) -> Verdict:
+        return Verdict(gpu, False, reason, kind)
 
     if c.include and not _matches(gpu, c.include):
-        return no("not in the requested list")
+        return no(Refusal.NOT_INCLUDED, "not in the requested list")
     if c.exclude and _matches(gpu, c.exclude):
-        return no("excluded on request")
+        return no(Refusal.EXCLUDED, "excluded on request")
     if gpu.uuid in c.unavailable:
-        return no(c.unavailable[gpu.uuid])
+        return no(Refusal.UNAVAILABLE, c.unavailable[gpu.uuid])
     if gpu.compute_mode is ComputeMode.PROHIBITED:
-        return no("prohibited compute mode: no process may create a CUDA context on it")
+        return no(Refusal.PROHIBITED,
+                  "prohibited compute mode: no process may create a CUDA context on it")
     if gpu.mig_enabled and not gpu.is_mig_instance:
         ids = ", ".join(m.uuid for m in gpu.mig_devices) or "none configured"
-        return no(f"MIG enabled: name one of its instances in CUDA_VISIBLE_DEVICES ({ids})")
+        return no(Refusal.MIG,
+                  f"MIG enabled: name one of its instances in CUDA_VISIBLE_DEVICES ({ids})")
     if gpu.compute_mode.is_exclusive and foreign:
-        return no(f"{gpu.compute_mode.value} mode, held by {foreign[0].describe()}")
+        return no(Refusal.EXCLUSIVE_HELD,
+                  f"{gpu.compute_mode.value} mode, held by {foreign[0].describe()}")
     if foreign and not c.allow_shared:
         who = "; ".join(p.describe() for p in foreign[:3])
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        return no(f"in use by {len(foreign)} other process(es): {who}{more}")
+        return no(Refusal.IN_USE, f"in use by {len(foreign)} other process(es): {who}{more}")
     if gpu.memory_free_bytes < c.min_free_bytes:
-        return no(f"{free} free, {format_bytes(c.min_free_bytes)} required")
+        return no(Refusal.MEMORY, f"{free} free, {format_bytes(c.min_free_bytes)} required")
     util = gpu.utilization_gpu_pct
     if c.max_util_pct is not None and util is not None and util > c.max_util_pct:
-        return no(f"utilization {util}% > {c.max_util_pct}%")
+        return no(Refusal.UTILIZATION, f"utilization {util}% > {c.max_util_pct}%")
     detail = [f"{free} free"]
     if util is not None:
         detail.append(f"{util}% utilization")

@@ -7,6 +7,7 @@ Durations: ``500ms``, ``30s``, ``10m``, ``1h``, ``1h30m``, a bare number is seco
 
 from __future__ import annotations
 
+import math
 import re
 
 from gpuwarden.errors import UsageError
@@ -68,6 +69,9 @@ def parse_duration(text: str | float | int, *, what: str = "duration") -> float:
                     f"{what} {text!r} is not a duration",
                     fix="write it like 30s, 10m, 1h30m, 500ms or a plain number of seconds",
                 ) from None
+    if math.isnan(seconds):  # float() accepts "nan"; it would poison every deadline
+        raise UsageError(f"{what} {text!r} is not a duration",
+                         fix="write it like 30s, 10m, 1h30m, 500ms or a plain number of seconds")
     if seconds < 0:
         raise UsageError(f"{what} {text!r} is negative", fix="give a duration of 0 or more")
     return seconds

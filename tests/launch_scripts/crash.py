@@ -13,8 +13,7 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 with open(os.path.join(piddir, f"rank{rank}.pids"), "w") as f:
     f.write(f"{os.getpid()} {child.pid}\n")
 if rank != 1:
-    if mode != "polite":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
         time.sleep(0.1)
 time.sleep(0.5)  # let the others start
@@ -29,5 +28,5 @@ if mode == "segv":
     import ctypes
 
     ctypes.string_at(0)
-if mode in ("kill", "polite"):
+if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)

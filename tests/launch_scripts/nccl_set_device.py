@@ -1,11 +1,16 @@
 """torchrun style on GPUs: set_device(LOCAL_RANK), then NCCL all_reduce on the rank's GPU."""
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 local_rank = int(os.environ["LOCAL_RANK"])
 torch.cuda.set_device(local_rank)  # each rank sees one GPU: gpuwarden maps this to cuda:0
+if sys.argv[1:] == ["--no-collective"]:  # ranks sharing one GPU: NCCL would refuse them
+    print(f"rank {os.environ['RANK']} local {local_rank} current_device="
+          f"{torch.cuda.current_device()} count={torch.cuda.device_count()}")
+    sys.exit(0)
 dist.init_process_group("nccl")
 t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
 dist.all_reduce(t)

@@ -34,12 +34,12 @@ def worker(rank: int) -> str:
 
 
 def usable_gpus() -> int:
-    from gpuwarden.errors import NoGPUError
+    from gpuwarden.errors import NoGPUError, VisibilityError
     from gpuwarden.inventory import read_visible
 
     try:
         return len(read_visible()[1])
-    except NoGPUError:
+    except (NoGPUError, VisibilityError):  # no driver, or CUDA_VISIBLE_DEVICES hides every GPU
         return 0
 
 

@@ -20,14 +20,9 @@ import socket
 import sys
 import traceback
 
+from gpuwarden.inventory import real_gpu_present as has_gpu
+
 SKIP_EXIT = 77
-
-
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
 
 
 def worker(rank: int, world_size: int, set_device: bool) -> None:

@@ -29,15 +29,10 @@ import threading
 import time
 from pathlib import Path
 
+from gpuwarden.inventory import real_gpu_present as has_gpu
+
 HERE = Path(__file__).resolve().parent
 GPUWARDEN = [sys.executable, "-m", "gpuwarden"]
-
-
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
 
 
 def show(title: str, argv: list[str], env: dict[str, str], expect_exit: set[int]) -> tuple[bool, str]:
@@ -162,7 +157,11 @@ def simulated() -> list[bool]:
 def real() -> list[bool]:
     env = dict(os.environ)
     env.pop("GPUWARDEN_SIMULATE", None)
-    hog = subprocess.Popen([sys.executable, "hog.py", "--leave-gib", "6"], cwd=HERE,
+    # The hog fills one GPU; every step of the story looks at that GPU alone, so on a host with
+    # several GPUs the job cannot simply land on another one and "not wait".
+    env.update(CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+               CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    hog = subprocess.Popen([sys.executable, "hog.py", "--leave-gib", "6"], cwd=HERE, env=env,
                            stdout=subprocess.PIPE, text=True, start_new_session=True)
 
     def end_hog() -> None:

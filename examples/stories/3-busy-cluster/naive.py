@@ -17,15 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpuwarden.inventory import real_gpu_present as has_gpu
+
 HERE = Path(__file__).resolve().parent
 SKIP_EXIT = 77
-
-
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
 
 
 def main() -> int:

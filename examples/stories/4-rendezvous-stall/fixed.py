@@ -18,23 +18,18 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gpuwarden.net import pick_free_port
 
 HERE = Path(__file__).resolve().parent
 CASES = ("wrong-addr", "port-in-use", "missing-rank")
 GPUWARDEN = [sys.executable, "-m", "gpuwarden"]
 # The failure code of a report: doctor's "[FAIL] ... (CODE)", launch's "error[CODE]: ...".
 _CODE = re.compile(r"^\[FAIL\] .*\((?P<doctor>[A-Z_]+)\)$|^error\[(?P<launch>[A-Z_]+)\]:", re.MULTILINE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def step(title: str, args: list[str], expect_code: str | None) -> bool:
@@ -73,9 +68,9 @@ def main() -> int:
         if args.case == "wrong-addr":
             results.append(step("preflight: the address rank 0 would be reached at",
                                 ["doctor", "--master-addr", "node-0.cluster.invalid",
-                                 "--master-port", str(free_port())], "RDZV_DNS"))
+                                 "--master-port", str(pick_free_port())], "RDZV_DNS"))
         elif args.case == "port-in-use":
-            port = free_port()
+            port = pick_free_port()
             holder = subprocess.Popen([sys.executable, str(HERE / "port_holder.py"), str(port)],
                                       stdout=subprocess.PIPE, start_new_session=True)
             assert holder.stdout is not None

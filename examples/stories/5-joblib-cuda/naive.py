@@ -17,14 +17,9 @@ import traceback
 from joblib import Parallel, delayed
 from tasks import train_trial
 
+from gpuwarden.inventory import real_gpu_present as has_gpu
+
 SKIP_EXIT = 77
-
-
-def has_gpu() -> bool:
-    """Whether NVML reports a real GPU here (GPU-only parts run only then)."""
-    from gpuwarden.inventory import real_gpu_present
-
-    return real_gpu_present()
 
 
 def main() -> int:

@@ -94,8 +94,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         if slurm is not None:
             nnodes, source = slurm.nnodes, "slurm"
             node_rank = slurm.node_rank if node_rank is None else node_rank
-            master_addr = master_addr or slurm.master_addr
-            master_port = master_port or slurm.master_port
+            if slurm.nnodes > 1:
+                # One node needs no shared port: it picks a free one, so two launches in one
+                # allocation never collide (and a busy derived port is no user error).
+                master_addr = master_addr or slurm.master_addr
+                master_port = master_port or slurm.master_port
             if nproc is None and args.gpus is None and not args.cpu:
                 nproc = slurm.nproc
     gpus: int | str | None = args.gpus
@@ -119,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         grace_s=parse_duration(args.grace, what="--grace"),
         master_port=master_port,
         master_addr=master_addr or DEFAULT_MASTER_ADDR,
-        nnodes=nnodes or 1,
+        nnodes=1 if nnodes is None else nnodes,
         node_rank=node_rank or 0,
         rdzv_timeout_s=parse_duration(args.rdzv_timeout, what="--rdzv-timeout"),
         source=source,

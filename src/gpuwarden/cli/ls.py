@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.visibility import parse_visibility
 
     host = read_host()
-    notes: tuple[str, ...] = ()
     try:
         vis = parse_visibility(host.gpus)
         ordinals = {g.uuid: i for i, g in enumerate(vis.gpus)}
@@ -46,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in notes:
         note(line)
-    restricted = len(ordinals) != len(host.gpus)
+    # Show how CUDA will number the GPUs whenever that differs from NVML's order: some hidden,
+    # reordered (CUDA_VISIBLE_DEVICES=3,2,1,0), or MIG instances in place of whole GPUs.
+    restricted = list(ordinals) != [g.uuid for g in host.gpus]
     rows = []
     for g in host.gpus:
         procs = "; ".join(

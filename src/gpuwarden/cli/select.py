@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwarden.cli._output import emit_json, is_terminal, note
 from gpuwarden.errors import EXIT_CONSTRAINT, UsageError
 
+if TYPE_CHECKING:  # the CLI imports select.py lazily, inside the command
+    from gpuwarden.select import Constraints
+
 
 def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, ...] = ("-n", "--count")
                         ) -> None:
-    """The selection flags shared by select, run and launch."""
+    """The selection flags shared by select and run (launch takes only --min-free: its GPU count
+    is its rank count)."""
     if count_flags:
         p.add_argument(*count_flags, dest="count", type=int, default=1, metavar="N",
                        help="how many GPUs (default 1)")
@@ -28,7 +32,7 @@ def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, .
                    help="never pick these GPUs (comma-separated indices or UUIDs)")
 
 
-def constraints_from_args(args: argparse.Namespace) -> Any:
+def constraints_from_args(args: argparse.Namespace) -> Constraints:
     from gpuwarden.select import Constraints
     from gpuwarden.units import parse_size
 

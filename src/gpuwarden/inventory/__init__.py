@@ -72,9 +72,9 @@ def real_gpu_present() -> bool:
     stories' GPU parts); it never raises and never creates a CUDA context.
     """
     from gpuwarden.errors import GpuwardenError
-    from gpuwarden.inventory.nvml import NvmlBackend
+    from gpuwarden.inventory.nvml import device_count
 
     try:
-        return bool(NvmlBackend().read_host().gpus)
+        return device_count() > 0  # a count, not a snapshot: no per-process lookups
     except GpuwardenError:
         return False

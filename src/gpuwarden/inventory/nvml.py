@@ -150,6 +150,12 @@ def _mig_devices(nvml: Any, handle: Any, index: int, parent_uuid: str) -> tuple[
     return tuple(out)
 
 
+def device_count() -> int:
+    """How many GPUs NVML sees (raises NoGPUError without NVML)."""
+    nvml = _ensure_init()
+    return int(_call(nvml.nvmlDeviceGetCount))
+
+
 class NvmlBackend:
     """Reads every GPU of this host through NVML."""
 

@@ -7,7 +7,7 @@ utilization) is ``None`` rather than a made-up zero.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
@@ -100,7 +100,6 @@ class HostSnapshot:
     cuda_driver_version: str | None
     gpus: tuple[GPUSnapshot, ...]
     source: str  # "nvml" or "simulated:<path>"
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {

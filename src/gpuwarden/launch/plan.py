@@ -89,10 +89,6 @@ class LaunchPlan:
     def node_of(self, rank: int) -> int:
         return rank // max(1, len(self.ranks))
 
-    @property
-    def on_gpu(self) -> bool:
-        return any(r.gpu is not None for r in self.ranks)
-
 
 def rank_count(config: LaunchConfig, usable_gpus: int | None) -> int:
     """How many ranks: -n, else --gpus N, else every usable GPU for --gpus all, else 1."""

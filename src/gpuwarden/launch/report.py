@@ -12,10 +12,13 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
 from gpuwarden.procs import describe_exit, signal_name
+
+if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank failed
+    from gpuwarden.explain.engine import Finding
 
 TRACEBACK_TAIL_LINES = 12
 EXIT_NODE_ABORTED = 1
@@ -117,7 +120,7 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
     if failures:
         return _failure_report(outcome, root_cause(failures))
     if outcome.stall is not None and not plan.config.keep_waiting:
-        return _stall_report(outcome, outcome.stall)
+        return stall_report(outcome, outcome.stall)
     if outcome.interrupted_by is not None:
         signum = int(getattr(signal, outcome.interrupted_by, signal.SIGTERM))
         return LaunchReport(
@@ -181,7 +184,7 @@ def _rank_line(outcome: RunOutcome, e: RankExit) -> str:
     return f"rank {e.rank}: pid {e.pid}, {_device(outcome, e.rank)}, {how}"
 
 
-def _explain(text: str) -> Any:
+def _explain(text: str) -> Finding | None:
     """explain's primary diagnosis when it knows the text, else None."""
     from gpuwarden.explain import explain_text
 
@@ -201,7 +204,7 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         tb = str(err.get("traceback", "")).rstrip().splitlines()
         details.append((f"traceback of rank {root.rank} (last lines)", tb[-TRACEBACK_TAIL_LINES:]))
     elif root.returncode < 0:
-        what = f"rank {root.rank} was killed by {exit_words(root.returncode)[7:]}"
+        what = f"rank {root.rank} was killed by {describe_exit(root.returncode)}"
     else:
         what = f"rank {root.rank} failed first: {exit_words(root.returncode)}"
     if root.fatal_dump.strip():
@@ -215,7 +218,7 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     diag = _explain(text)
     code, why, fix = "RANK_FAILED", None, None
     if diag is not None:
-        code, why, fix = str(diag.code), getattr(diag, "why", None), getattr(diag, "fix", None)
+        code, why, fix = diag.code, diag.why, diag.fix
     if root.returncode < 0:
         name = signal_name(-root.returncode)
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
@@ -237,15 +240,14 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     if outcome.peers is not None and outcome.peers.abort_sent:
         evidence.append("the other nodes were told through the job's store (gpuwarden/abort) "
                         "and stop their ranks")
-    if diag is not None:
-        for item in list(getattr(diag, "evidence", []) or [])[-1:]:
-            text = item[1] if isinstance(item, tuple) else getattr(item, "text", item)
-            evidence.append(f"matched in rank {root.rank}'s output: {str(text).strip()}")
+    if diag is not None and diag.evidence:
+        evidence.append(f"matched in rank {root.rank}'s output: {diag.evidence[-1].text.strip()}")
     return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
                         root.rank)
 
 
-def _stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
+def stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
+    """The report of ``stall`` (RDZV_WORKERS_MISSING in init, else RANK_STALL)."""
     timeout = outcome.plan.config.stall_timeout_s
     world = outcome.plan.world_size
     waiting = ", ".join(map(str, stall.waiting))

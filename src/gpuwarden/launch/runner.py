@@ -12,18 +12,18 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from dataclasses import replace
 from typing import TextIO
 
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.plan import LaunchPlan, make_plan
+from gpuwarden.launch.plan import make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
-from gpuwarden.launch.report import LaunchReport, build_report
+from gpuwarden.launch.report import LaunchReport, build_report, stall_report
 from gpuwarden.launch.supervisor import RunOutcome, Stall, Supervisor
 
 
 def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
-           argv_for: Callable[[LaunchConfig], tuple[str, ...]] | None = None,
+           argv: tuple[str, ...] | None = None,
            run_dir: str | None = None) -> tuple[LaunchReport, RunOutcome]:
     """Run ``config`` to the end and return its report (printed by the caller) and outcome.
 
@@ -33,8 +33,6 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     err = stderr or sys.stderr
     if config.multinode:
         # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
-        from dataclasses import replace
-
         from gpuwarden.launch.rendezvous import check_rendezvous
 
         pre = check_rendezvous(config, dict(os.environ), err=err)
@@ -45,27 +43,22 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     try:
         # Multi-node: the port was checked by the preflight (node 0: free; others: reachable).
-        port = config.master_port if config.multinode and config.master_port else choose_port(config)
+        # (LaunchConfig refuses --nnodes > 1 without --master-port.)
+        port = config.master_port if config.multinode and config.master_port is not None \
+            else choose_port(config)
         plan = make_plan(config, taken.gpus, master_port=port,
                          run_id=config.run_id or _run_id(config), run_dir=work,
                          supervisor_pid=os.getpid(), python=sys.executable, base_env=os.environ)
-        if argv_for is not None:
-            plan = _with_argv(plan, argv_for(config))
+        if argv is not None:  # spawn(): every rank runs this command instead of the target
+            plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
         for note in (*taken.notes, *plan.notes):
             print(f"gpuwarden: {note}", file=err)
         supervisor = Supervisor(plan, stdout=stdout, stderr=stderr)
 
         def on_stall(stall: Stall) -> None:
-            from gpuwarden.launch.report import _stall_report
+            print(stall_report(supervisor.outcome(stall.detected_at), stall).render()
+                  + "\n  (--keep-waiting: still waiting)", file=err, flush=True)
 
-            outcome = RunOutcome(plan, supervisor_started, stall.detected_at, {}, {
-                r.spec.rank: r.proc.pid for r in supervisor.ranks}, stall)
-            print(_stall_report(outcome, stall).render() + "\n  (--keep-waiting: still waiting)",
-                  file=err, flush=True)
-
-        import time
-
-        supervisor_started = time.monotonic()
         supervisor.on_stall = on_stall
         outcome = supervisor.run()
         return build_report(outcome), outcome
@@ -84,8 +77,3 @@ def _run_id(config: LaunchConfig) -> str:
         return f"slurm-{job}"
     return f"{config.master_addr}-{config.master_port}"
 
-
-def _with_argv(plan: LaunchPlan, argv: tuple[str, ...]) -> LaunchPlan:
-    from dataclasses import replace
-
-    return replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))

@@ -56,7 +56,6 @@ class RankExit:
     error: dict[str, Any] | None = None  # the bootstrap's record of an uncaught exception
     fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
     stderr_tail: list[str] = field(default_factory=list)
-    last_status: RankStatus | None = None
 
     @property
     def failed(self) -> bool:
@@ -104,18 +103,15 @@ class RunOutcome:
     pids: dict[int, int]
     stall: Stall | None = None
     interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" sent to the supervisor
-    stop_began_at: float | None = None
     peers: PeerView | None = None  # multi-node only
     stopped_for: str | None = None  # "abort" (another node failed) / "store_lost"
 
 
 class _Rank:
-    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], status: StatusReader,
-                 started_at: float) -> None:
+    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], status: StatusReader) -> None:
         self.spec = spec
         self.proc = proc
         self.pgid = proc.pid  # start_new_session: the rank leads its own group
-        self.started_at = started_at
         self.status = status
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.partial: dict[int, bytes] = {}
@@ -139,8 +135,7 @@ class Supervisor:
         self._stop_began: float | None = None
         self._killed = False
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
-        self._stall: Stall | None = None
-        self._stall_reported = False
+        self._stall: Stall | None = None  # set once: a stall is reported once
         self._reaper: GroupReaper | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
@@ -153,11 +148,12 @@ class Supervisor:
         self._abort_decided = False
         self._peer_mtimes: dict[int, float] = {}
         self._peer_states: dict[int, dict[str, Any]] = {}
+        self._started = 0.0  # monotonic, set by run()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> RunOutcome:
-        started = time.monotonic()
+        self._started = time.monotonic()
         self._install_signals()
         try:
             self._reaper = GroupReaper()
@@ -167,10 +163,15 @@ class Supervisor:
         finally:
             self._final_cleanup()
             self._restore_signals()
+        return self.outcome(time.monotonic())
+
+    def outcome(self, now: float) -> RunOutcome:
+        """What happened so far (the final outcome once run() returned; a stall report's
+        outcome while --keep-waiting lets the job run on)."""
         exits = {r.spec.rank: r.exit for r in self.ranks if r.exit is not None}
-        return RunOutcome(self.plan, started, time.monotonic(), exits,
+        return RunOutcome(self.plan, self._started, now, exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
-                          self._interrupt, self._stop_began, self.peers, self._stopped_for)
+                          self._interrupt, self.peers, self._stopped_for)
 
     def _reap_if_we_die(self, pgid: int) -> None:
         if self._reaper is not None:
@@ -186,7 +187,7 @@ class Supervisor:
         proc = subprocess.Popen(
             list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        rank = _Rank(spec, proc, status, time.monotonic())
+        rank = _Rank(spec, proc, status)
         self._reap_if_we_die(rank.pgid)
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
@@ -226,13 +227,16 @@ class Supervisor:
                         self._check_peers(now)
                     if self._stop_began is None:
                         self._check_stall(now)
-            elif self.peers is not None and not self._abort_decided \
-                    and now - self._stop_began >= ABORT_SELF_WAIT_S:
-                self._tell_other_nodes()
-            elif not self._killed and now - self._stop_began >= self.config.grace_s:
-                self._killed = True
-                for r in live:
-                    self._signal_group(r, signal.SIGKILL)
+            else:
+                # Two independent steps of a stop: telling the other nodes must never hold
+                # back the SIGKILL of ranks that ignore SIGTERM.
+                if self.peers is not None and not self._abort_decided \
+                        and now - self._stop_began >= ABORT_SELF_WAIT_S:
+                    self._tell_other_nodes()
+                if not self._killed and now - self._stop_began >= self.config.grace_s:
+                    self._killed = True
+                    for r in live:
+                        self._signal_group(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment).
         deadline = time.monotonic() + 0.3
@@ -301,10 +305,12 @@ class Supervisor:
         ABORT_SELF_WAIT_S for the rank's word before it starts a short-lived helper, which
         covers deaths by signal, stalls and interrupts. Node 0 needs none: its end takes the
         store down, which the other nodes notice."""
-        if (self.peers is None or self._stopped_for is not None or self.plan.node_rank == 0
-                or self._abort_decided):
+        if self.peers is None or self._abort_decided:
             return
+        # Decided once, whatever the answer: node 0 and a node told to stop send nothing.
         self._abort_decided = True
+        if self._stopped_for is not None or self.plan.node_rank == 0:
+            return
         if self._read_peers(time.monotonic()).abort_sent or not self.peers.reader_connected:
             return  # already told, or the store was never reached: nobody to tell
         failing = sorted(self._failing | {r.spec.rank for r in self.ranks
@@ -342,8 +348,7 @@ class Supervisor:
                 rank=r.spec.rank, pid=r.proc.pid, returncode=code, ended_at=now,
                 stopped_by_launcher=self._stop_began is not None
                 and r.spec.rank not in self._failing,
-                error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal),
-                last_status=_safe_status(r))
+                error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal))
             if code != 0:
                 # Lines still in the pipe belong in the report's tail.
                 self._drain(r)
@@ -436,7 +441,7 @@ class Supervisor:
     # ---- stalls ----------------------------------------------------------------------------
 
     def _check_stall(self, now: float) -> None:
-        if self._stall_reported:
+        if self._stall is not None:
             return
         timeout = self.config.stall_timeout_s
         states: dict[int, RankStatus | None] = {}
@@ -469,7 +474,6 @@ class Supervisor:
                  else f"{ref.op} (collective #{ref.collectives})")
         stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
         self._stall = Stall(sorted(same), sorted(elsewhere), where, stacks, now, point)
-        self._stall_reported = True
         if self.config.keep_waiting:
             if self.on_stall is not None:
                 self.on_stall(self._stall)
