@@ -63,7 +63,7 @@ def test_run_exits_4_with_the_blocking_lease_when_the_wait_times_out(scenario, l
         assert time.monotonic() - started < 5
     err = capfd.readouterr().err
     assert "error[LEASE_TIMEOUT]" in err
-    assert "GPU0 leased by pid" in err and "(root" in err or "train.py" in err
+    assert "GPU0 leased by pid" in err and "train.py" in err
     # Piped stderr: plain status lines, not a live display.
     assert "gpuwarden: waiting for 1 GPU (0 of 2 free now): GPU0 leased by pid" in err
 
@@ -127,6 +127,23 @@ def test_leases_lists_holders_and_waiting_requests_as_json(scenario, lease_dir, 
         assert main(["leases"]) == 0
         table = capsys.readouterr().out
         assert "train.py" in table and str(os.getpid()) in table
+        # A request waiting in line (2 GPUs, one is ours) shows in both forms.
+        waiter = _gpuwarden("run", "--gpus", "2", "--slots-per-gpu", "2", "--slots-each", "2",
+                            "--label", "sweep.py", "--wait", "60", "--", "true")
+        try:
+            deadline = time.monotonic() + 20
+            while not list_leases().tickets:
+                assert time.monotonic() < deadline and waiter.poll() is None, waiter.communicate()
+                time.sleep(0.05)
+            assert main(["leases", "--json"]) == 0
+            [ticket] = json.loads(capsys.readouterr().out)["waiting"]
+            assert ticket["label"] == "sweep.py" and ticket["gpus_wanted"] == 2
+            assert main(["leases"]) == 0
+            table = capsys.readouterr().out
+            assert "sweep.py" in table and "2 GPUs (2 of 2 slots each)" in table
+        finally:
+            waiter.kill()
+            waiter.communicate()
 
 
 def test_leases_on_a_host_without_a_lease_dir(tmp_path, monkeypatch, capsys):
@@ -134,3 +151,41 @@ def test_leases_on_a_host_without_a_lease_dir(tmp_path, monkeypatch, capsys):
     assert main(["leases", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["holders"] == []
     assert not Path(tmp_path / "none").exists()
+
+
+def test_run_labels_a_long_command_by_its_end(scenario, lease_dir, tmp_path):
+    scenario("two_idle")
+    out = tmp_path / "label"
+    code = ("import sys; from gpuwarden.lease import list_leases; "
+            f"open({str(out)!r}, 'w').write(list_leases().holders[0].label)")
+    assert main(["run", "-q", "--", PY, "-c", code, "--config=" + "x" * 120, "END"]) == 0
+    label = out.read_text()
+    assert label.startswith(os.path.basename(PY)) and label.endswith(" END")
+    assert len(label) <= 80
+
+
+def test_shell_exit_code_and_die_with_parent_as_a_preexec_fn():
+    import ctypes
+
+    from gpuwarden.procs import shell_exit_code
+
+    assert [shell_exit_code(r) for r in (0, 3, -9, -15)] == [0, 3, 137, 143]
+    get_pdeathsig = (
+        "import ctypes, sys; s = ctypes.c_int(); "
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(s), 0, 0, 0); sys.exit(s.value)")
+    real_cdll = ctypes.CDLL
+
+    def no_dlopen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("dlopen between fork and exec")
+
+    from functools import partial
+
+    from gpuwarden.procs import die_with_parent
+
+    ctypes.CDLL = no_dlopen  # type: ignore[misc]
+    try:
+        child = subprocess.run([PY, "-c", get_pdeathsig],
+                               preexec_fn=partial(die_with_parent, os.getpid()))
+    finally:
+        ctypes.CDLL = real_cdll  # type: ignore[misc]
+    assert child.returncode == signal.SIGKILL  # PR_GET_PDEATHSIG in the command

@@ -426,3 +426,42 @@ def test_unwritable_lease_dir_is_a_clear_error(scenario, shared_tmp, monkeypatch
             os._exit(7)
 
     assert _as_other_user(other) == 7
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_leases_reads_a_directory_this_user_cannot_write(scenario, shared_tmp, monkeypatch):
+    """`gpuwarden leases` is read-only: another user's 0755 directory is listed, not refused."""
+    from gpuwarden.cli import build_parser, main
+
+    build_parser()  # imports every subcommand now: user nobody cannot read root's interpreter
+    scenario("two_idle")
+    locked = shared_tmp / "locked"
+    locked.mkdir(mode=0o755)
+    monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(locked))
+    out = shared_tmp / "out.json"
+    out.write_text("")
+    out.chmod(0o666)
+    with lease(1, label="train.py"):
+        def other() -> None:
+            import contextlib
+
+            with open(out, "w") as f, contextlib.redirect_stdout(f):
+                code = main(["leases", "--json"])
+            os._exit(10 + code)
+
+        assert _as_other_user(other) == 10
+        [holder] = json.loads(out.read_text())["holders"]
+        assert holder["label"] == "train.py"
+
+
+def test_listing_leases_deletes_no_record(scenario, lease_dir):
+    from gpuwarden.cli import main
+
+    scenario("two_idle")
+    stale = {"schema": 1, "kind": "holder", "id": "ghost", "pid": 1, "user": "alice",
+             "host": "x", "command": "train.py", "label": "", "started_at": 0, "claims": []}
+    ghost = lease_dir / "holder.ghost.json"
+    ghost.write_text(json.dumps(stale))  # ours, and nobody holds its lock: stale
+    assert main(["leases", "--json"]) == 0
+    assert ghost.exists()
+    assert list_leases().holders == ()

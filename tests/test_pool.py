@@ -149,6 +149,52 @@ def test_no_gpu_runs_cpu_workers_and_says_so(monkeypatch, tmp_path: Path) -> Non
         assert pool.gpus == ()
 
 
+def test_auto_takes_the_gpus_another_pool_left(two_gpus, no_leftover_processes) -> None:
+    with GPUPool(gpus=1, preload=()) as first, GPUPool(preload=()) as second:
+        assert [g.index for g in first.gpus] == [0]
+        assert [g.index for g in second.gpus] == [1]
+        assert {r[1] for r in second.map(where, [0.05] * 4)} == {"1"}
+
+
+def test_max_workers_leases_only_the_gpus_its_workers_use(two_gpus,
+                                                          no_leftover_processes) -> None:
+    from gpuwarden.lease import lease, list_leases
+
+    with GPUPool(max_workers=1, preload=()) as pool:
+        assert pool.n_workers == 1 and len(pool.gpus) == 1
+        [holder] = list_leases().holders
+        assert len(holder.claims) == 1
+        with lease(1) as grant:  # the GPU the pool does not use stays free for others
+            assert grant.gpus[0].uuid != pool.gpus[0].uuid
+    with GPUPool(max_workers=3, workers_per_gpu=2, preload=()) as pool:
+        assert pool.n_workers == 3 and len(pool.gpus) == 2
+
+
+def test_gpus_zero_is_a_cpu_pool_on_every_host(monkeypatch, tmp_path: Path, scenario,
+                                               lease_dir, no_leftover_processes) -> None:
+    import warnings
+
+    from gpuwarden.inventory import SIMULATE_ENV, real_gpu_present
+    from gpuwarden.lease import list_leases
+
+    none = tmp_path / "none.json"
+    none.write_text('{"gpus": []}')
+    hosts: list[str | Path | None] = ["two_gpu", none]
+    if not real_gpu_present():
+        hosts.append(None)  # no NVML at all
+    for host in hosts:
+        if host is None:
+            monkeypatch.delenv(SIMULATE_ENV)
+        else:
+            scenario(host)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CPUFallbackWarning)  # asked for: not a fallback
+            with GPUPool(gpus=0, cpu_workers=2, preload=()) as pool:
+                assert pool.gpus == () and pool.n_workers == 2, host
+                assert {r[1] for r in pool.map(where, [0.05] * 2)} == {""}, host
+                assert list_leases().holders == (), host
+
+
 def failing_initializer() -> None:
     raise RuntimeError("no dataset mounted")
 

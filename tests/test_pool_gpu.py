@@ -53,8 +53,7 @@ def test_joblib_four_workers_on_one_gpu_with_memory_fraction() -> None:
         x = torch.ones(1024, device="cuda")
         props = torch.cuda.get_device_properties(0)
         return (torch.cuda.device_count(), torch.cuda.current_device(),
-                round(torch.cuda.get_per_process_memory_fraction(0), 2)
-                if hasattr(torch.cuda, "get_per_process_memory_fraction") else 0.2, x.device.type)
+                round(torch.cuda.get_per_process_memory_fraction(0), 2), x.device.type)
     if __name__ == "__main__":
         with parallel_config(backend="gpuwarden", n_jobs=4, gpus=1, workers_per_gpu=4,
                              memory_fraction=0.2, allow_shared=True):

@@ -139,19 +139,17 @@ def _check_shm(num_workers: int, prefetch_factor: int, batch_bytes: int) -> None
     )
 
 
-def _move(batch: Any, device: Any, stream: Any) -> Any:
+def _move(batch: Any, device: Any) -> Any:
     torch = sys.modules["torch"]
     if isinstance(batch, torch.Tensor):
-        if stream is None:
-            return batch
         source = batch if batch.is_pinned() else batch.pin_memory()
         return source.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
-        return type(batch)({k: _move(v, device, stream) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)({k: _move(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_move(v, device, stream) for v in batch))
+        return type(batch)(*(_move(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(v, device, stream) for v in batch)
+        return type(batch)(_move(v, device) for v in batch)
     return batch
 
 
@@ -203,7 +201,7 @@ class DevicePrefetcher:
             except StopIteration:
                 return _END
             with torch.cuda.stream(side):
-                return _move(batch, self.device, side)
+                return _move(batch, self.device)
 
         upcoming = preload()
         while upcoming is not _END:

@@ -7,8 +7,25 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+
+
+def _resolve_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved once, at import, in the parent: die_with_parent then makes only system calls, so it
+# is safe as a subprocess preexec_fn (between fork and exec, where a dlopen could deadlock on
+# a lock another thread of the parent held at the fork).
+_PRCTL = _resolve_prctl()
 
 
 def die_with_parent(expected_ppid: int, *, exit_code: int = 1) -> None:
@@ -16,16 +33,17 @@ def die_with_parent(expected_ppid: int, *, exit_code: int = 1) -> None:
 
     The parent may already be gone by the time this runs (we were re-parented to init or a
     subreaper): then exit at once instead of living on as an orphan. Elsewhere the pipe EOF
-    a worker sees on its task connection is the only watchdog.
+    a worker sees on its task connection is the only watchdog. Safe as a ``preexec_fn``.
     """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != expected_ppid:
         os._exit(exit_code)
+
+
+def shell_exit_code(returncode: int) -> int:
+    """A subprocess returncode as a shell reports it: the exit code, or 128+N for signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 def signal_name(signum: int) -> str:
@@ -52,7 +70,7 @@ def status_to_returncode(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def short_command(argv: list[str], width: int = 80) -> str:
+def short_command(argv: Sequence[str], width: int = 80) -> str:
     """A command line cut to ``width`` characters in the middle: the program and the end (where
     the script and its arguments are) say more than a long path prefix."""
     text = " ".join(argv)

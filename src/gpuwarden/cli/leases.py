@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpuwarden.lease import list_leases
+    from gpuwarden.lease.status import describe_request
 
     table = list_leases()
     if args.json:
@@ -49,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if table.tickets:
         wait_rows = []
         for pos, t in enumerate(table.tickets, 1):
-            want = f"{t.gpus_wanted} GPU(s)"
-            if t.slots_per_gpu > 1:
-                want += f", {t.slots_each} of {t.slots_per_gpu} slots each"
+            want = describe_request(t.gpus_wanted, 0, t.slots_per_gpu, t.slots_each)
             held_back = ",".join(t.eligible) if t.eligible else "-"
             wait_rows.append([str(pos), str(t.pid), t.user, t.label or t.command, want,
                               format_duration(max(0.0, now - t.started_at)), held_back])

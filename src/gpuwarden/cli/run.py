@@ -9,14 +9,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 from types import FrameType
 from typing import Any
 
 from gpuwarden.cli._output import note
 from gpuwarden.cli.select import add_constraint_args, constraints_from_args
 from gpuwarden.errors import UsageError
-from gpuwarden.procs import GroupReaper
+from gpuwarden.procs import GroupReaper, die_with_parent, shell_exit_code, short_command
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no command given", fix="gpuwarden run --gpus 1 -- python train.py")
     constraints = constraints_from_args(args)
     # "python train.py --lr 3e-4", the form NVML process lines take in every reason string.
-    label = args.label or " ".join([os.path.basename(cmd[0]), *cmd[1:]])[:80]
+    label = args.label or short_command([os.path.basename(cmd[0]), *cmd[1:]])
     printer = StatusPrinter(sys.stderr)
     with printer:
         grant = acquire(constraints=constraints, slots_per_gpu=args.slots_per_gpu,
@@ -85,7 +86,16 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     the command exactly as they would without gpuwarden.
     """
     try:
-        child = subprocess.Popen(list(cmd), env=env, preexec_fn=_child_setup_fn())
+        # Its own process group, and death with gpuwarden: the lease ends with gpuwarden,
+        # so must the command's use of the GPUs. (Other threads, lease watchers, may exist
+        # at the fork: the preexec_fn makes system calls only, see procs.die_with_parent.)
+        parent = os.getpid()
+        if sys.version_info >= (3, 11):
+            child = subprocess.Popen(list(cmd), env=env, process_group=0, preexec_fn=partial(
+                die_with_parent, parent, exit_code=128 + signal.SIGKILL))
+        else:
+            child = subprocess.Popen(list(cmd), env=env,
+                                     preexec_fn=partial(_setpgid_then_die_with_parent, parent))
     except FileNotFoundError as exc:
         raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
                          ) from exc
@@ -105,35 +115,13 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
         _reap_group(pgid)
     finally:
         reaper.close()
-    return returncode if returncode >= 0 else 128 - returncode
+    return shell_exit_code(returncode)
 
 
-def _child_setup_fn() -> Callable[[], None]:
-    """What the child runs before exec: its own process group, and death with gpuwarden
-    (the lease ends with gpuwarden, so must the command's use of the GPUs).
-
-    Everything is looked up here, in the parent: between fork and exec the child only
-    makes two system calls, since other threads (lease watchers) may exist at the fork.
-    """
-    prctl: Any = None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the grant still ends with gpuwarden
-        pass
-    pr_set_pdeathsig = 1
-    sigkill = int(signal.SIGKILL)
-    parent = os.getpid()
-
-    def setup() -> None:
-        os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
-            if os.getppid() != parent:  # the parent died before prctl took effect
-                os._exit(128 + sigkill)
-
-    return setup
+def _setpgid_then_die_with_parent(parent: int) -> None:
+    # Python 3.10 has no Popen(process_group=...): the same two system calls, by hand.
+    os.setpgid(0, 0)
+    die_with_parent(parent, exit_code=128 + signal.SIGKILL)
 
 
 @contextlib.contextmanager

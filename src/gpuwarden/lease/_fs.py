@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import pwd
+import re
 import stat
 import threading
 import weakref
@@ -48,6 +49,30 @@ def lease_dir_path(env: dict[str, str] | None = None) -> Path:
     """GPUWARDEN_LEASE_DIR when set and not empty, else :data:`DEFAULT_LEASE_DIR`."""
     source = os.environ if env is None else env
     return Path(source.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR)
+
+
+def slot_file_name(uuid: str, slots_per_gpu: int, slot: int) -> str:
+    """The lock file of one slot: ``slot.<uuid>.k<slots_per_gpu>.s<slot>.lock``."""
+    # Old-style MIG ids contain '/'; nothing else in a uuid needs escaping.
+    return f"slot.{escape_uuid(uuid)}.k{slots_per_gpu}.s{slot}.lock"
+
+
+_SLOT_RE = re.compile(r"^slot\.(?P<uuid>.+)\.k(?P<k>\d+)\.s(?P<s>\d+)\.lock$")
+
+
+def parse_slot_name(name: str) -> tuple[str, int, int] | None:
+    """(escaped uuid, slots_per_gpu, slot) of a slot lock file name; None for other names.
+
+    The uuid is as :func:`slot_file_name` wrote it ('/' as '_'): compare with
+    :func:`escape_uuid` of a GPU's uuid."""
+    match = _SLOT_RE.match(name)
+    if match is None:
+        return None
+    return match["uuid"], int(match["k"]), int(match["s"])
+
+
+def escape_uuid(uuid: str) -> str:
+    return uuid.replace("/", "_")
 
 
 def _user(uid: int) -> str:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import re
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuwarden.lease import _fs
-from gpuwarden.lease.records import Corrupt, Record, scan
-
-_SLOT_RE = re.compile(r"^slot\.(?P<uuid>.+)\.k(?P<k>\d+)\.s(?P<s>\d+)\.lock$")
+from gpuwarden.lease.records import Corrupt, Record, iter_holders, scan
 
 
 @dataclass(frozen=True)
@@ -38,35 +35,39 @@ class LeaseTable:
 
 
 def list_leases(directory: Path | None = None) -> LeaseTable:
-    """Read a lease directory without changing any lease; a missing directory is empty.
+    """Read a lease directory without changing anything in it; a missing one is empty.
 
-    The slot locks are probed under the directory mutex (so no request is disturbed),
-    which finds claims whose record is missing or corrupt.
+    Read-only: it needs no write permission (a user may list a directory it cannot lease
+    in) and deletes no stale record. The slot locks are probed under the directory mutex
+    when it can be had (so no request is disturbed), which finds claims whose record is
+    missing or corrupt.
     """
     directory = directory or _fs.lease_dir_path()
     if not directory.is_dir():
         return LeaseTable(directory, False, (), (), (), ())
-    _fs.prepare_dir(directory)
-    with _fs.dir_mutex(directory):
-        records, corrupt = scan(directory)
-        recorded = {(c.uuid.replace("/", "_"), c.slots_per_gpu, s)
-                    for r in records if r.kind == "holder" for c in r.claims for s in c.slots}
+    with contextlib.ExitStack() as stack:
+        # Without the mutex when this user cannot create it (a directory it may only read):
+        # the listing is then a snapshot that may race a request, which is all it can be.
+        with contextlib.suppress(OSError):
+            stack.enter_context(_fs.dir_mutex(directory))
+        records, corrupt, names = scan(directory, cleanup=False)
+        recorded = {(_fs.escape_uuid(c.uuid), c.slots_per_gpu, s)
+                    for r in iter_holders(records) for c in r.claims for s in c.slots}
         unrecorded = []
-        for name in sorted(os.listdir(directory)):
-            match = _SLOT_RE.match(name)
-            if not match:
+        for name in sorted(names):
+            key = _fs.parse_slot_name(name)
+            if key is None or key in recorded:
                 continue
-            key = (match["uuid"], int(match["k"]), int(match["s"]))
-            if key in recorded:
-                continue
-            fd = _fs.open_lock_file(directory / name)
+            try:
+                fd = _fs.open_lock_file(directory / name)
+            except OSError:
+                continue  # unreadable for this user: nothing to say about it
             try:
                 if not _fs.try_lock(fd):
                     unrecorded.append(key)
             finally:
                 _fs.unlock_close(fd)
-    holders = tuple(sorted((r for r in records if r.kind == "holder"),
-                           key=lambda r: (r.started_at, r.record_id)))
+    holders = tuple(sorted(iter_holders(records), key=lambda r: (r.started_at, r.record_id)))
     tickets = tuple(sorted((r for r in records if r.kind == "ticket"),
                            key=lambda r: (r.arrival_ns, r.record_id)))
     return LeaseTable(directory, True, holders, tickets, tuple(corrupt), tuple(unrecorded))

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
@@ -36,6 +36,7 @@ from gpuwarden.lease.records import (
     OwnedRecord,
     Record,
     SlotClaim,
+    iter_holders,
     new_record_id,
     scan,
     this_process,
@@ -49,21 +50,11 @@ REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardle
 SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
 
 
-def slot_file_name(uuid: str, slots_per_gpu: int, slot: int) -> str:
-    # Old-style MIG ids contain '/'; nothing else in a uuid needs escaping.
-    return f"slot.{uuid.replace('/', '_')}.k{slots_per_gpu}.s{slot}.lock"
-
-
 def _slot_counts_in_use(names: Sequence[str], uuid: str) -> set[int]:
     """Every slots_per_gpu some request has ever used on ``uuid`` (lock files stay)."""
-    prefix = f"slot.{uuid.replace('/', '_')}.k"
-    out = set()
-    for name in names:
-        if name.startswith(prefix) and name.endswith(".lock"):
-            k_part = name[len(prefix):].split(".", 1)[0]
-            if k_part.isdigit():
-                out.add(int(k_part))
-    return out
+    escaped = _fs.escape_uuid(uuid)
+    return {parsed[1] for parsed in map(_fs.parse_slot_name, names)
+            if parsed is not None and parsed[0] == escaped}
 
 
 @dataclass(frozen=True)
@@ -75,6 +66,10 @@ class LeaseRequest:
     slots_each: int = 1
     wait_s: float | None = None
     label: str = ""
+    # n="all": every GPU acceptable and free at the attempt (at least 1), decided under the
+    # directory mutex; ``constraints.count`` is then 1, the least that serves the request.
+    every_usable: bool = False
+    up_to: int | None = None  # n="all" only: take at most this many
 
     @property
     def gpus(self) -> int:
@@ -82,18 +77,19 @@ class LeaseRequest:
 
     def describe(self) -> str:
         return describe_request(self.gpus, self.constraints.min_free_bytes, self.slots_per_gpu,
-                                self.slots_each)
+                                self.slots_each, every_usable=self.every_usable)
 
 
-def make_request(n: int | None = None, *, min_free: str | int | None = None,
+def make_request(n: int | Literal["all"] | None = None, *, min_free: str | int | None = None,
                  slots_per_gpu: int = 1, slots_each: int = 1,
                  wait: str | float | None = None, constraints: Constraints | None = None,
-                 label: str | None = None) -> LeaseRequest:
+                 label: str | None = None, up_to: int | None = None) -> LeaseRequest:
     """Validate the arguments of :func:`acquire`; UsageError (exit 2) names the bad one."""
     base = constraints or Constraints()
-    count = base.count if n is None else n
-    if not isinstance(count, int) or count < 1:
-        raise UsageError(f"n={count!r}: a lease needs at least 1 GPU", fix="ask for n >= 1")
+    every_usable = n == "all"
+    count = 1 if every_usable else base.count if n is None else n
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise UsageError(f"n={count!r}: a lease needs at least 1 GPU", fix="ask for n >= 1, or n='all' for every usable GPU")
     if not isinstance(slots_per_gpu, int) or slots_per_gpu < 1:
         raise UsageError(f"slots_per_gpu={slots_per_gpu!r} must be 1 or more",
                          fix="1 for a whole GPU, K to let K requests share each GPU")
@@ -104,10 +100,14 @@ def make_request(n: int | None = None, *, min_free: str | int | None = None,
     if min_free is not None:
         given = min_free if isinstance(min_free, int) else parse_size(min_free, what="min_free")
         min_free_bytes = max(min_free_bytes, given)
+    if up_to is not None and (not every_usable or not isinstance(up_to, int) or up_to < 1):
+        raise UsageError(f"up_to={up_to!r}: only with n='all', and at least 1",
+                         fix="lease(n='all', up_to=2) takes every usable GPU, at most 2")
     wait_s = None if wait is None else parse_duration(wait, what="wait")
     return LeaseRequest(
         constraints=replace(base, count=count, min_free_bytes=min_free_bytes),
         slots_per_gpu=slots_per_gpu, slots_each=slots_each, wait_s=wait_s, label=label or "",
+        every_usable=every_usable, up_to=up_to,
     )
 
 
@@ -186,7 +186,7 @@ class Grant:
 class _Attempt:
     granted: Grant | None = None
     states: tuple[GpuState, ...] = ()
-    eligible: tuple[str, ...] = ()  # uuids usable if their leases went
+    usable: int = 0  # probe only: GPUs that could be granted now
     watch: tuple[Path, ...] = ()  # records whose end may free what we need
     ahead: int = 0
 
@@ -224,16 +224,18 @@ def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
     return frozenset(out)
 
 
-def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -> _Attempt:
-    """One try under the directory mutex. All-or-nothing: never keeps a partial claim."""
+def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
+             probe: bool = False) -> _Attempt:
+    """One try under the directory mutex. All-or-nothing: never keeps a partial claim.
+
+    ``probe``: take nothing, only count the GPUs this request could be granted now."""
     req = waiter.request
     directory = waiter.directory
     with _fs.dir_mutex(directory):
         if waiter.arrival_ns is None:
             waiter.arrival_ns = time.monotonic_ns()
-        records, _corrupt = scan(directory)
-        names = os.listdir(directory)
-        holders = [r for r in records if r.kind == "holder"]
+        records, _corrupt, names = scan(directory)
+        holders = list(iter_holders(records))
         earlier = sorted((r for r in records if r.kind == "ticket"
                           and r.record_id != waiter.record_id
                           and (r.arrival_ns, r.record_id) < waiter.order()),
@@ -262,15 +264,15 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
             if verdict.accepted:
                 eligible.append(gpu)
             else:
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             verdict.reason, "refused")
         eligible.sort(key=preference_key)
 
         chosen: list[tuple[GPUSnapshot, list[tuple[int, int]]]] = []
         watch: list[Path] = []
         for gpu in eligible:
-            if len(chosen) == req.gpus:
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True,
+            if len(chosen) == (req.up_to if req.every_usable else req.gpus):
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             "free (not needed)", "free")
                 continue
             blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, directory)
@@ -279,22 +281,27 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
                 if kind == "queued":
                     blockers = [next_ahead[gpu.uuid]]
                 watch.extend(b.path for b in blockers if b.path)
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False, reason, kind,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, reason, kind,
                                             tuple(b.record_id for b in blockers))
                 continue
             taken = _take_slots(gpu, req, directory)
             if taken is None:
                 holders_here = holders_of.get(gpu.uuid, [])
                 watch.extend(h.path for h in holders_here if h.path)
-                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, False,
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             _leased_reason(gpu, req, holders_here), "leased",
                                             tuple(h.record_id for h in holders_here))
                 continue
             chosen.append((gpu, taken))
-            states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, True, "free", "free")
+            states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, "free", "free")
 
         ordered_states = tuple(states[g.uuid] for g in gpus)
-        if len(chosen) == req.gpus:
+        if probe:
+            for _gpu, taken in chosen:
+                for _slot, fd in taken:
+                    _fs.unlock_close(fd)
+            return _Attempt(states=ordered_states, usable=len(chosen))
+        if chosen and (req.every_usable or len(chosen) == req.gpus):
             grant = _grant(waiter, chosen)
             return _Attempt(granted=grant, states=ordered_states)
         for _gpu, taken in chosen:
@@ -307,8 +314,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool) -
         ahead = sum(1 for t in earlier if mine.intersection(t.eligible))
         if will_wait:
             _write_ticket(waiter, eligible_ids)
-        return _Attempt(states=ordered_states, eligible=eligible_ids, watch=tuple(watch),
-                        ahead=ahead)
+        return _Attempt(states=ordered_states, watch=tuple(watch), ahead=ahead)
 
 
 def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, Record],
@@ -333,7 +339,7 @@ def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, R
 
 def _any_slot_held(directory: Path, uuid: str, slots_per_gpu: int) -> bool:
     for slot in range(slots_per_gpu):
-        path = directory / slot_file_name(uuid, slots_per_gpu, slot)
+        path = directory / _fs.slot_file_name(uuid, slots_per_gpu, slot)
         if not path.exists():
             continue
         fd = _fs.open_lock_file(path)
@@ -350,7 +356,7 @@ def _take_slots(gpu: GPUSnapshot, req: LeaseRequest, directory: Path
     """``slots_each`` free slots of ``gpu`` (slot number, locked fd), or None."""
     taken: list[tuple[int, int]] = []
     for slot in range(req.slots_per_gpu):
-        path = directory / slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
+        path = directory / _fs.slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
         fd = _fs.open_lock_file(path)
         # same_file: a lock on a file someone deleted and replaced would guard nothing.
         if _fs.try_lock(fd) and _fs.same_file(fd, path):
@@ -420,13 +426,17 @@ def _read_gpus(env: Mapping[str, str] | None) -> tuple[GPUSnapshot, ...]:
     return gpus
 
 
-def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_per_gpu: int = 1,
+def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None = None, slots_per_gpu: int = 1,
             slots_each: int = 1, wait: str | float | None = None,
             constraints: Constraints | None = None, label: str | None = None,
             on_wait: OnWait | None = None, lease_dir: str | Path | None = None,
             env: Mapping[str, str] | None = None,
-            visible: Sequence[GPUSnapshot] | None = None) -> Grant:
+            visible: Sequence[GPUSnapshot] | None = None, up_to: int | None = None) -> Grant:
     """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each) and return the Grant.
+
+    ``n="all"``: every GPU that is acceptable and free at the moment of the attempt (at least
+    one; waiting waits for the first), at most ``up_to``, decided under the lease lock, so
+    GPUs another lease holds are left to it rather than failing the request.
 
     ``wait``: None or 0 tries once; a duration ("10m", seconds, ``math.inf``) waits in
     line that long. ``constraints`` are select.py's (memory, utilization, include/exclude,
@@ -444,7 +454,8 @@ def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_pe
         UsageError (exit 2): a bad argument; NoGPUError (exit 3): GPU state cannot be read.
     """
     req = make_request(n, min_free=min_free, slots_per_gpu=slots_per_gpu,
-                       slots_each=slots_each, wait=wait, constraints=constraints, label=label)
+                       slots_each=slots_each, wait=wait, constraints=constraints, label=label,
+                       up_to=up_to)
     directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
         dict(env) if env is not None else None))
     waiter = _Waiter(req, directory)
@@ -453,6 +464,26 @@ def acquire(n: int | None = None, *, min_free: str | int | None = None, slots_pe
     finally:
         if waiter.ticket is not None:
             waiter.ticket.remove()
+
+
+def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
+                 slots_each: int = 1, constraints: Constraints | None = None,
+                 lease_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
+                 visible: Sequence[GPUSnapshot] | None = None) -> int:
+    """How many GPUs ``acquire("all", ...)`` with these arguments would be granted now.
+
+    The same judgement as an attempt, under the same lock, but nothing is taken: a
+    prediction (another process may lease a GPU the next moment). Raises as :func:`acquire`.
+    """
+    req = make_request("all", min_free=min_free, slots_per_gpu=slots_per_gpu,
+                       slots_each=slots_each, constraints=constraints)
+    directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
+        dict(env) if env is not None else None))
+    gpus = tuple(visible) if visible is not None else _read_gpus(env)
+    try:
+        return _attempt(_Waiter(req, directory), gpus, will_wait=False, probe=True).usable
+    except OSError as exc:
+        raise _dir_error(directory, exc) from exc
 
 
 def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
@@ -506,14 +537,18 @@ def _attempt_mapped(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: 
     try:
         return _attempt(waiter, gpus, will_wait=will_wait)
     except OSError as exc:
-        # The directory passed prepare_dir; this is a full disk, a read-only remount, a
-        # lock file another user made unreadable, or a filesystem without flock.
-        raise LeaseDirError(
-            f"lease directory {str(waiter.directory)!r} cannot be used: "
-            f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
-            fix=f"check the directory and its files, or set {_fs.LEASE_DIR_ENV} to a local "
-            "directory",
-        ) from exc
+        raise _dir_error(waiter.directory, exc) from exc
+
+
+def _dir_error(directory: Path, exc: OSError) -> LeaseDirError:
+    # The directory passed prepare_dir; this is a full disk, a read-only remount, a
+    # lock file another user made unreadable, or a filesystem without flock.
+    return LeaseDirError(
+        f"lease directory {str(directory)!r} cannot be used: "
+        f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+        fix=f"check the directory and its files, or set {_fs.LEASE_DIR_ENV} to a local "
+        "directory",
+    )
 
 
 def _not_served(req: LeaseRequest, status: WaitStatus, wait_s: float) -> Exception:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.lease import _fs
+from gpuwarden.procs import short_command
 
 HOLDER_PREFIX = "holder."
 TICKET_PREFIX = "ticket."
@@ -93,14 +94,14 @@ def new_record_id() -> str:
 
 def this_process(kind: str, record_id: str, label: str | None, **fields: Any) -> Record:
     """A record describing the calling process."""
-    command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv)
-                       ) or sys.executable
+    argv = [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+    command = short_command(argv, width=300) if argv else sys.executable
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid {os.getuid()}"
     return Record(kind=kind, record_id=record_id, pid=os.getpid(), user=user,
-                  host=socket.gethostname(), command=command[:300],
+                  host=socket.gethostname(), command=command,
                   label=label or "", started_at=time.time(), **fields)
 
 
@@ -166,8 +167,11 @@ class Corrupt:
     problem: str
 
 
-def scan(directory: Path, *, cleanup: bool = True) -> tuple[list[Record], list[Corrupt]]:
-    """The live records of ``directory`` and the unreadable ones; stale ones are skipped.
+def scan(directory: Path, *, cleanup: bool = True
+         ) -> tuple[list[Record], list[Corrupt], list[str]]:
+    """The live records of ``directory``, the unreadable ones, and every name the directory
+    held (callers look for lock files in it without listing it again); stale records are
+    skipped.
 
     With ``cleanup``, stale records (nobody holds their lock) and leftover temporary
     files that belong to this user are deleted; other users' are left alone (the
@@ -178,7 +182,7 @@ def scan(directory: Path, *, cleanup: bool = True) -> tuple[list[Record], list[C
     try:
         names = os.listdir(directory)
     except OSError:
-        return live, corrupt
+        return live, corrupt, []
     for name in names:
         if not name.endswith(RECORD_SUFFIX) or not name.startswith((HOLDER_PREFIX, TICKET_PREFIX)):
             if cleanup and name.startswith(".") and name.endswith(".tmp"):
@@ -196,7 +200,7 @@ def scan(directory: Path, *, cleanup: bool = True) -> tuple[list[Record], list[C
             live.append(parse_record(path))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             corrupt.append(Corrupt(path, f"{type(exc).__name__}: {exc}"))
-    return live, corrupt
+    return live, corrupt, names
 
 
 def _remove_if_stale(path: Path, min_age_s: float = 0.0) -> None:
@@ -245,4 +249,5 @@ def parse_record(path: Path) -> Record:
 
 
 def iter_holders(records: list[Record]) -> Iterator[Record]:
+    """The holder records among ``records``."""
     return (r for r in records if r.kind == "holder")

@@ -18,12 +18,16 @@ class GpuState:
     index: int
     uuid: str
     label: str  # "GPU 2"
-    free: bool  # could be granted to this request now
     reason: str  # "leased by pid 812 (alice, train.py) for 3m", "exclusive_process mode, ..."
     kind: str  # "free" | "leased" | "queued" | "refused" (NVML / constraints)
     # Ids of the lease records that block it: what changes when a blocker changes
     # (the reason's "for 3m" changes every second).
     blocker_ids: tuple[str, ...] = ()
+
+    @property
+    def free(self) -> bool:
+        """Could be granted to this request now."""
+        return self.kind == "free"
 
     def line(self) -> str:
         # Lease and queue reasons already say what they are ("leased by ...", "held back ...").
@@ -75,8 +79,9 @@ class WaitStatus:
                 "gpus": [g.to_dict() for g in self.gpus]}
 
 
-def describe_request(n: int, min_free_bytes: int, slots_per_gpu: int, slots_each: int) -> str:
-    what = f"{n} GPU{'s' if n != 1 else ''}"
+def describe_request(n: int, min_free_bytes: int, slots_per_gpu: int, slots_each: int, *,
+                     every_usable: bool = False) -> str:
+    what = "every usable GPU (at least 1)" if every_usable else f"{n} GPU{'s' if n != 1 else ''}"
     if slots_per_gpu > 1:
         what += f" ({slots_each} of {slots_per_gpu} slots each)"
     if min_free_bytes:
@@ -97,10 +102,9 @@ class StatusPrinter:
         self.stream = sys.stderr if stream is None else stream
         self.repeat_s = repeat_s
         if live is None:
-            try:
-                live = self.stream.isatty()
-            except (AttributeError, ValueError):
-                live = False
+            from gpuwarden.cli._output import is_terminal
+
+            live = is_terminal(self.stream)
         self.live = live
         self._last_key: Any = None
         self._last_print = 0.0

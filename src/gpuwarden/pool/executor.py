@@ -39,7 +39,6 @@ from gpuwarden.pool import _pickling, _worker
 from gpuwarden.pool._launch import ForkServerLauncher, Launcher, SpawnLauncher
 from gpuwarden.pool.plan import WorkerSlot, plan_slots
 from gpuwarden.procs import describe_exit
-from gpuwarden.units import parse_size
 
 log = logging.getLogger("gpuwarden.pool")
 
@@ -61,6 +60,10 @@ class CPUFallbackWarning(UserWarning):
 
 
 _warned_cpu = False
+
+
+def _no_release() -> None:
+    pass
 
 
 @dataclass
@@ -117,7 +120,8 @@ class GPUPool(Executor):
     code. GPUs are chosen by ``gpus``: ``"auto"`` (every usable GPU), a count, or a list of
     indices/UUIDs; they are taken through :func:`gpuwarden.pool.gpus.take_gpus` and released
     at shutdown. Without a GPU (no driver, none visible) ``gpus="auto"`` runs ``cpu_workers``
-    CPU workers and warns once.
+    CPU workers and warns once; ``gpus=0`` is a CPU pool on any host, without a warning.
+    ``max_workers`` also caps the GPUs taken: only the GPUs those workers fill are leased.
 
     Raises (from the constructor): UsageError for a bad argument; ConstraintError (exit 4)
     when fewer GPUs than requested are usable (busy, too little free memory, prohibited
@@ -154,14 +158,24 @@ class GPUPool(Executor):
             raise UsageError(f"memory_fraction={memory_fraction}: must be in (0, 1]")
         if max_workers is not None and max_workers < 1:
             raise UsageError(f"max_workers={max_workers}: must be at least 1")
-        from gpuwarden.pool.gpus import take_gpus
+        from gpuwarden.pool.gpus import TakenGPUs, take_gpus
 
-        min_free_bytes = parse_size(min_free, what="min_free") if isinstance(min_free, str) else (min_free or 0)
-        taken = take_gpus(gpus, workers_per_gpu, min_free_bytes=min_free_bytes,
-                          allow_shared=allow_shared, wait=wait, label=label)
+        if isinstance(gpus, bool) or (isinstance(gpus, int) and gpus < 0):
+            raise UsageError(f"gpus={gpus!r}: expected 'auto', a count >= 0, or a list of ids")
+        if gpus == 0:
+            # An explicit CPU pool, whatever the host has: no NVML read, no lease, no warning.
+            taken = TakenGPUs((), _no_release)
+        else:
+            from gpuwarden.lease.manager import make_request
+
+            # make_request validates and parses min_free (str or int) as every lease does.
+            min_free_bytes = make_request(1, min_free=min_free).constraints.min_free_bytes
+            taken = take_gpus(gpus, workers_per_gpu, max_workers=max_workers,
+                              min_free_bytes=min_free_bytes, allow_shared=allow_shared,
+                              wait=wait, label=label)
+            if not taken.gpus:
+                _warn_cpu_once(taken.why_cpu)
         self._release = taken.release
-        if not taken.gpus:
-            _warn_cpu_once(taken.why_cpu)
         n_cpu = cpu_workers or max_workers or os.cpu_count() or 1
         slots = plan_slots(taken.gpus, workers_per_gpu, cpu_workers=n_cpu)
         if max_workers is not None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from gpuwarden.errors import NoGPUError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
-from gpuwarden.select import Constraints, select
+from gpuwarden.select import Constraints
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,60 @@ def _nothing() -> None:
     pass
 
 
-def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
-              min_free_bytes: int = 0, allow_shared: bool = False,
-              wait: float | str | None = None, label: str = "gpuwarden pool") -> TakenGPUs:
-    """Select the GPUs for a pool, with every GPU's verdict in the error when that fails.
+def gpus_for_workers(max_workers: int, workers_per_gpu: int) -> int:
+    """GPUs that ``max_workers`` workers fill, ``workers_per_gpu`` on each."""
+    return -(-max_workers // workers_per_gpu)
 
-    Raises UsageError for a malformed ``spec``, ConstraintError (exit 4) when fewer GPUs
-    than asked are usable, NoGPUError when GPUs are asked for by count or id on a host
-    without NVML.
+
+def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: int = 0,
+                     allow_shared: bool = False, workers_per_gpu: int = 1) -> int:
+    """How many GPUs :func:`take_gpus` would take for ``spec`` now (0: a CPU pool).
+
+    For ``"auto"`` this asks the lease manager the same question ``take_gpus`` has it decide
+    (every GPU acceptable under these constraints and not leased to someone else), so a
+    count made here and the GPUs taken later agree unless another process leases meanwhile.
+    """
+    if isinstance(spec, int):
+        return spec
+    if not isinstance(spec, str):
+        return len(spec)
+    from gpuwarden.inventory import read_visible
+    from gpuwarden.lease.manager import usable_count
+
+    try:
+        _, visible = read_visible()
+    except NoGPUError:
+        return 0
+    if not visible:
+        return 0
+    return usable_count(slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
+                        constraints=_constraints(1, min_free_bytes, allow_shared),
+                        visible=visible)
+
+
+def _constraints(count: int, min_free_bytes: int, allow_shared: bool,
+                 include: tuple[str, ...] = ()) -> Constraints:
+    return Constraints(count=count, min_free_bytes=min_free_bytes, allow_shared=allow_shared,
+                       include=include)
+
+
+def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
+              max_workers: int | None = None, min_free_bytes: int = 0,
+              allow_shared: bool = False, wait: float | str | None = None,
+              label: str = "gpuwarden pool") -> TakenGPUs:
+    """Lease the GPUs for a pool, with every GPU's verdict in the error when that fails.
+
+    ``max_workers`` caps the GPUs taken at the ones that many workers fill. ``"auto"`` takes
+    every GPU acceptable and free when the lease is decided (at least one).
+
+    Raises UsageError for a malformed ``spec``; LeaseUnavailableError / LeaseTimeoutError
+    (exit 4) when fewer GPUs than asked are usable now / within ``wait`` (busy, leased,
+    too little free memory, prohibited compute mode; the error lists every GPU's verdict);
+    NoGPUError when GPUs are asked for by count or id on a host without NVML or with
+    none visible.
     """
     from gpuwarden.inventory import read_visible
+    from gpuwarden.lease import acquire
 
     explicit = spec != "auto"
     if isinstance(spec, str) and spec != "auto":
@@ -46,32 +91,22 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
             raise
         return TakenGPUs((), _nothing, why_cpu=exc.what)
     if not visible:
-        if explicit and spec != 0:
+        if explicit:
             raise NoGPUError("GPUs were requested for the pool but none is visible",
-                             fix="check CUDA_VISIBLE_DEVICES, or use gpus='auto'")
+                             fix="check CUDA_VISIBLE_DEVICES, use gpus='auto', or gpus=0 for "
+                             "a CPU pool")
         return TakenGPUs((), _nothing, why_cpu="no GPU is visible to this process")
-    if isinstance(spec, int):
-        include: tuple[str, ...] = ()
-        count = spec
-    elif isinstance(spec, str):
-        include = ()
-        count = len(select(visible, Constraints(
-            count=0, min_free_bytes=min_free_bytes, allow_shared=allow_shared)).acceptable)
-        count = count or 1  # none usable: ask for one, so that the error lists every verdict
-    else:
-        include = tuple(str(i) for i in spec)
-        count = len(include)
-    constraints = Constraints(count=count, min_free_bytes=min_free_bytes,
-                              allow_shared=allow_shared, include=include)
-    return _acquire(visible, constraints, workers_per_gpu, wait=wait, label=label)
-
-
-def _acquire(visible: tuple[GPUSnapshot, ...], constraints: Constraints, workers_per_gpu: int,
-             *, wait: float | str | None, label: str) -> TakenGPUs:
-    """Lease the GPUs (one slot per worker, every slot of each GPU) through gpuwarden.lease,
-    so that two pools or jobs on this host never pick the same GPU at the same moment."""
-    from gpuwarden.lease import acquire
-
-    grant = acquire(constraints.count, slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
-                    wait=wait, constraints=constraints, label=label, visible=visible)
+    cap = None if max_workers is None else gpus_for_workers(max_workers, workers_per_gpu)
+    # Every slot of each GPU, one per worker, through gpuwarden.lease: two pools or jobs on
+    # this host never pick the same GPU at the same moment.
+    n: int | Literal["all"] = "all"
+    up_to = cap
+    include: tuple[str, ...] = ()
+    if not isinstance(spec, str):
+        include = () if isinstance(spec, int) else tuple(str(i) for i in spec)
+        n = spec if isinstance(spec, int) else len(include)
+        n, up_to = (n if cap is None else min(n, cap)), None
+    grant = acquire(n, up_to=up_to, slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
+                    wait=wait, label=label, visible=visible,
+                    constraints=_constraints(1, min_free_bytes, allow_shared, include))
     return TakenGPUs(tuple(grant.gpus), grant.release)

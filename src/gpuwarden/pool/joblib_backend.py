@@ -34,49 +34,67 @@ from gpuwarden.pool.executor import GPUPool
 from gpuwarden.pool.plan import WORKER_ENV
 
 _lock = threading.Lock()
-_reusable: dict[str, Any] = {"key": None, "pool": None, "timer": None}
+_reusable: dict[str, Any] = {"settings": None, "n": None, "pool": None, "timer": None}
 
 
-def _usable_slots(gpus: Any, workers_per_gpu: int) -> int:
-    """How many workers ``n_jobs=-1`` means: every slot of the GPUs the pool would take."""
-    from gpuwarden.errors import NoGPUError
-    from gpuwarden.inventory import read_visible
-    from gpuwarden.select import Constraints, select
+def _settings_key(pool_kwargs: dict[str, Any]) -> str:
+    return repr(sorted(pool_kwargs.items()))
 
-    if isinstance(gpus, int):
+
+def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
+    """How many workers ``n_jobs=-1`` means: every slot of the GPUs the pool would take.
+
+    The warm pool with these settings answers with its own size: its workers hold the
+    GPUs (leased, CUDA contexts in NVML), so counting afresh would find them taken. Else the
+    count is the lease manager's answer for ``gpus="auto"``, the one ``take_gpus`` acts on,
+    under the pool's own ``min_free``/``allow_shared``.
+    """
+    from gpuwarden.lease.manager import make_request
+    from gpuwarden.pool.gpus import usable_gpu_count
+
+    settings = _settings_key(pool_kwargs)
+    with _lock:
+        pool = _reusable["pool"]
+        if pool is not None and _reusable["settings"] == settings:
+            return int(pool.n_workers)
+    # Other settings replace the warm pool anyway: let its GPUs go before counting them.
+    shutdown_reusable_pool()
+    workers_per_gpu = int(pool_kwargs.get("workers_per_gpu", 1))
+    min_free = pool_kwargs.get("min_free")
+    gpus = usable_gpu_count(
+        pool_kwargs.get("gpus", "auto"), workers_per_gpu=workers_per_gpu,
+        min_free_bytes=make_request(1, min_free=min_free).constraints.min_free_bytes,
+        allow_shared=bool(pool_kwargs.get("allow_shared", False)))
+    if gpus:
         return gpus * workers_per_gpu
-    if not isinstance(gpus, str):
-        return len(gpus) * workers_per_gpu
-    try:
-        _, visible = read_visible()
-    except NoGPUError:
-        visible = ()
-    usable = len(select(visible, Constraints(count=0)).acceptable)
-    return usable * workers_per_gpu if usable else (os.cpu_count() or 1)
+    return int(pool_kwargs.get("cpu_workers") or os.cpu_count() or 1)
 
 
-def _get_pool(key: str, n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
+def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
+    settings = _settings_key(pool_kwargs)
     with _lock:
         timer = _reusable["timer"]
         if timer is not None:
             timer.cancel()
             _reusable["timer"] = None
         pool = _reusable["pool"]
-        if pool is not None and _reusable["key"] == key:
+        # n_workers as asked, or as the pool turned out (fewer GPUs were free than asked).
+        if pool is not None and _reusable["settings"] == settings and \
+                n_workers in (_reusable["n"], pool.n_workers):
             return pool
         _reusable["pool"] = None
     if pool is not None:
         pool.shutdown(wait=True)
     pool = GPUPool(max_workers=n_workers, **pool_kwargs)
     with _lock:
-        _reusable["key"], _reusable["pool"] = key, pool
+        _reusable["settings"], _reusable["pool"], _reusable["n"] = settings, pool, n_workers
     return pool
 
 
 def _drop_pool(pool: GPUPool, *, kill: bool) -> None:
     with _lock:
         if _reusable["pool"] is pool:
-            _reusable["pool"] = _reusable["key"] = None
+            _reusable["pool"] = _reusable["settings"] = None
     pool.shutdown(wait=True, cancel_futures=True, kill_workers=kill)
 
 
@@ -85,7 +103,7 @@ def _schedule_idle_shutdown(pool: GPUPool, idle_s: float) -> None:
         with _lock:
             if _reusable["pool"] is not pool or _reusable["timer"] is not timer:
                 return
-            _reusable["pool"] = _reusable["key"] = _reusable["timer"] = None
+            _reusable["pool"] = _reusable["settings"] = _reusable["timer"] = None
         pool.shutdown(wait=True)
 
     timer = threading.Timer(idle_s, expire)
@@ -102,7 +120,7 @@ def shutdown_reusable_pool() -> None:
     with _lock:
         pool = _reusable["pool"]
         timer = _reusable["timer"]
-        _reusable["pool"] = _reusable["key"] = _reusable["timer"] = None
+        _reusable["pool"] = _reusable["settings"] = _reusable["timer"] = None
     if timer is not None:
         timer.cancel()
     if pool is not None:
@@ -135,8 +153,7 @@ class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
         if n_jobs is None:
             n_jobs = self.default_n_jobs
         if n_jobs < 0:
-            slots = _usable_slots(self._pool_kwargs.get("gpus", "auto"),
-                                  int(self._pool_kwargs.get("workers_per_gpu", 1)))
+            slots = _usable_slots(self._pool_kwargs)
             return max(slots + 1 + n_jobs, 1)
         return n_jobs
 
@@ -147,8 +164,7 @@ class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
         n = self.effective_n_jobs(n_jobs)
         if n == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
-        key = repr(sorted(self._pool_kwargs.items())) + f"/{n}"
-        self._pool = _get_pool(key, n, self._pool_kwargs)
+        self._pool = _get_pool(n, self._pool_kwargs)
         self.parallel = parallel
         return n
 
