@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
-from gpuwarden.procs import describe_exit, signal_name
+from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
 
 if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank failed
     from gpuwarden.explain.engine import Finding
@@ -87,11 +87,6 @@ class LaunchReport:
 def exit_words(returncode: int) -> str:
     """'exit code 3' or 'signal SIGKILL(-9)'."""
     return f"signal {describe_exit(returncode)}" if returncode < 0 else describe_exit(returncode)
-
-
-def shell_exit_code(returncode: int) -> int:
-    """A rank's exit code as a shell reports it: 128 + N for death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def is_echo(ex: RankExit) -> bool:
