@@ -152,19 +152,33 @@ def test_a_process_that_left_its_group_is_found_and_killed(tmp_path: Path) -> No
             escaped.wait()
 
 
+def _runs_a_story(pid: int) -> bool:
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "naive.py" in " ".join(child.cmdline()):
+                return True
+        except psutil.Error:  # it ended (or is a zombie) between the listing and the read
+            continue
+    return False
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_mid_story_writes_the_report_and_leaves_nothing(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "verify_gpu.py"), str(tmp_path),
                              "--allow-no-gpu", "--stages", "stories", "--story", "4-rendezvous-stall"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    # wait until a story is running (its log appears when it ends; its ranks show up first)
-    while time.monotonic() < deadline and not any(
-            "naive.py" in " ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)):
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 30
+        # wait until a story is running (its log appears when it ends; its ranks show up first)
+        while time.monotonic() < deadline and not _runs_a_story(proc.pid):
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:  # whatever went wrong above, verify-gpu must not outlive the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["interrupted"] == "received SIGTERM" and report["ok"] is False
