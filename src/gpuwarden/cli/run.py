@@ -85,6 +85,10 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
     too; on a terminal it is made the foreground group, so Ctrl-C and terminal reads go to
     the command exactly as they would without gpuwarden.
     """
+    # The reaper first: it kills the command's group if gpuwarden itself is SIGKILLed. Started
+    # after the command, a kill during its start-up (~20 ms) left the command's children alive:
+    # PDEATHSIG reaches only the direct child. Now the window is Popen's return to add().
+    reaper = GroupReaper()
     try:
         # Its own process group, and death with gpuwarden: the lease ends with gpuwarden,
         # so must the command's use of the GPUs. (Other threads, lease watchers, may exist
@@ -97,12 +101,13 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
             child = subprocess.Popen(list(cmd), env=env,
                                      preexec_fn=partial(_setpgid_then_die_with_parent, parent))
     except FileNotFoundError as exc:
+        reaper.close()
         raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
                          ) from exc
     except PermissionError as exc:
+        reaper.close()
         raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
     pgid = child.pid
-    reaper = GroupReaper()  # kills the command's group if gpuwarden itself is SIGKILLed
     reaper.add(pgid)
     try:
         with _foreground(pgid), _forwarding(pgid):
