@@ -60,7 +60,7 @@ def test_unreadable_files(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="not valid JSON") as err:
         SimulatedBackend(bad).read_host()
     assert "line 1" in (err.value.why or "")
-    with pytest.raises(ScenarioError, match="cannot be read"):
+    with pytest.raises(ScenarioError, match="is a directory, not a regular file"):
         SimulatedBackend(tmp_path).read_host()  # a directory
 
 

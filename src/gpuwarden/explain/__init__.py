@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
+from gpuwarden.boundedio import InputRefused, open_stream
 from gpuwarden.errors import InputUnreadableError
 from gpuwarden.explain.engine import (
     BLOCK_BYTES,
@@ -101,10 +102,12 @@ def explain_file(path: str | os.PathLike[str], kb: KnowledgeBase | None = None) 
         return _explain_binary(sys.stdin.buffer, kb, "<stdin>")
     p = Path(path)
     try:
-        raw = p.open("rb")
-    except IsADirectoryError as exc:
-        raise InputUnreadableError(f"{p} is a directory, not a log",
-                                   fix="name a log file inside it") from exc
+        # Regular files and FIFOs (`explain <(cmd)`); a FIFO nobody writes, a device or a
+        # directory is refused at once rather than hanging or reading forever.
+        raw = open_stream(p)
+    except InputRefused as exc:
+        fix = "name a log file inside it" if p.is_dir() else exc.fix
+        raise InputUnreadableError(f"{p} {exc.problem}", fix=fix) from exc
     except FileNotFoundError as exc:
         raise InputUnreadableError(f"{p}: no such file", fix="check the path") from exc
     except OSError as exc:

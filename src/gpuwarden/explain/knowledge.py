@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.boundedio import InputRefused, decode_utf8, read_regular
 from gpuwarden.errors import KnowledgeBaseError
 
 if sys.version_info >= (3, 11):
@@ -197,11 +198,17 @@ def load_knowledge(path: str | Path | None = None) -> KnowledgeBase:
         return _default_knowledge()
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        text = decode_utf8(read_regular(p))  # bounded: a FIFO or /dev/zero is refused at once
     except OSError as exc:
         raise _fail(str(p), f"cannot read it ({exc.strerror or exc})") from exc
+    except InputRefused as exc:
+        raise _fail(str(p), f"it {exc.problem}") from exc
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise _fail(str(p), f"not valid TOML: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # an integer past int()'s digit limit, deep nesting
+        raise _fail(str(p), f"not a knowledge base ({type(exc).__name__})") from exc
     return parse_knowledge(data, str(p))
 
 

@@ -8,9 +8,11 @@ the offending field (``gpus[1].memory_total_mib: expected an integer, got 'x'``)
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.boundedio import InputRefused, decode_utf8, read_regular
 from gpuwarden.errors import ScenarioError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
 from gpuwarden.units import MIB
@@ -27,28 +29,71 @@ class SimulatedBackend:
         self.path = Path(path)
 
     def read_host(self) -> HostSnapshot:
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError as exc:
-            raise ScenarioError(
-                f"scenario file {str(self.path)!r} does not exist",
-                fix="point GPUWARDEN_SIMULATE at an existing scenario file, or unset it to use NVML",
-            ) from exc
-        except OSError as exc:
-            raise ScenarioError(
-                f"scenario file {str(self.path)!r} cannot be read",
-                why=exc.strerror or str(exc),
-                fix=_FIX,
-            ) from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ScenarioError(
-                f"scenario file {str(self.path)!r} is not valid JSON",
-                why=f"line {exc.lineno}, column {exc.colno}: {exc.msg}",
-                fix=_FIX,
-            ) from exc
-        return parse_scenario(data, source=f"simulated:{self.path}")
+        return parse_scenario(load_scenario(self.path), source=f"simulated:{self.path}")
+
+
+def load_scenario(path: str | Path) -> Any:
+    """The decoded JSON of a scenario file, read bounded (boundedio.read_regular): a FIFO, a
+    device, a file over 4 MiB, invalid UTF-8, an integer of more than 18 digits, a float that
+    is not finite, or nesting deeper than the parser allows is a ScenarioError, never a hang,
+    a MemoryError or a traceback."""
+    name = str(path)
+    try:
+        text = decode_utf8(read_regular(path))
+    except FileNotFoundError as exc:
+        raise ScenarioError(
+            f"scenario file {name!r} does not exist",
+            fix="point GPUWARDEN_SIMULATE at an existing scenario file, or unset it to use NVML",
+        ) from exc
+    except OSError as exc:
+        raise ScenarioError(
+            f"scenario file {name!r} cannot be read", why=exc.strerror or str(exc), fix=_FIX,
+        ) from exc
+    except InputRefused as exc:
+        raise ScenarioError(f"scenario file {name!r} {exc.problem}", fix=exc.fix) from exc
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float,
+                          parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(
+            f"scenario file {name!r} is not valid JSON",
+            why=f"line {exc.lineno}, column {exc.colno}: {exc.msg}",
+            fix=_FIX,
+        ) from exc
+    except _BadNumber as exc:
+        raise ScenarioError(f"scenario file {name!r}: {exc}", fix=_FIX) from exc
+    except RecursionError as exc:
+        # The C decoder guards its own recursion; a scenario is three levels deep.
+        raise ScenarioError(f"scenario file {name!r} is nested too deeply to be a scenario",
+                            fix=_FIX) from exc
+
+
+class _BadNumber(ValueError):
+    pass
+
+
+# Every integer of a scenario (MiB, pids, percentages, indices) fits in 18 digits; refusing
+# longer ones before int() keeps a 10**400 (or a 100000-digit) literal from ever being
+# converted or multiplied.
+_MAX_INT_DIGITS = 18
+
+
+def _bounded_int(text: str) -> int:
+    digits = text.lstrip("-")
+    if len(digits) > _MAX_INT_DIGITS:
+        raise _BadNumber(f"an integer of {len(digits)} digits ({text[:12]}...) is out of range")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadNumber(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise _BadNumber(f"{text} is not a JSON number")
 
 
 def parse_scenario(data: Any, *, source: str = "simulated") -> HostSnapshot:
@@ -88,7 +133,7 @@ def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
     except ValueError:
         allowed = ", ".join(m.value for m in ComputeMode)
         raise ScenarioError(
-            f"{where}.compute_mode: {mode_text!r} is not a compute mode",
+            f"{where}.compute_mode: {_short(mode_text)} is not a compute mode",
             fix=f"use one of {allowed}",
         ) from None
     mig_enabled = f.get("mig_enabled", bool, default=False)
@@ -118,7 +163,7 @@ def _parse_mig(raw: Any, where: str, *, index: int, parent: str) -> GPUSnapshot:
     f = _Fields(raw, where)
     uuid = f.get("uuid", str)
     if not uuid.startswith("MIG-"):
-        raise ScenarioError(f"{where}.uuid: {uuid!r} must start with 'MIG-'", fix=_FIX)
+        raise ScenarioError(f"{where}.uuid: {_short(uuid)} must start with 'MIG-'", fix=_FIX)
     return GPUSnapshot(
         index=index,
         uuid=uuid,
@@ -175,12 +220,17 @@ class _Fields:
         if not ok:
             raise ScenarioError(
                 f"{self.where}.{key}: expected {_KIND_NAMES.get(kind, kind.__name__)}, "
-                f"got {value!r}",
+                f"got {_short(value)}",
                 fix=_FIX,
             )
         if kind is int and value < 0:
             raise ScenarioError(f"{self.where}.{key}: must not be negative, got {value}", fix=_FIX)
         return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", list: "a list"}
