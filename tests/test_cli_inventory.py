@@ -90,7 +90,8 @@ def test_ls_json_fields(scenario, capsys) -> None:
         assert key in g0
     assert g0["memory_used_bytes"] == 71200 * 1024**2
     assert g0["processes"] == [{"pid": 4242, "user": "bob", "command": "python train_llm.py",
-                                "used_memory_bytes": 70700 * 1024**2}]
+                                "used_memory_bytes": 70700 * 1024**2, "context": "compute",
+                                "note": None}]
 
 
 def test_ls_marks_hidden_gpus(scenario, capsys, monkeypatch) -> None:

@@ -155,9 +155,11 @@ def _fifo_with_writer(nonblocking_fd: int, timeout_s: float) -> BinaryIO:
     try:
         while True:
             if opened:
-                if isinstance(opened[0], int):
+                first = opened[0]
+                if isinstance(first, int):
+                    opened.clear()
                     os.close(nonblocking_fd)
-                    return os.fdopen(opened.pop(), "rb")
+                    return os.fdopen(first, "rb")
                 break
             if poller.poll(20):  # data, or a writer that already finished
                 _abandon(thread, fifo, opened)

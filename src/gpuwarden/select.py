@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from gpuwarden.errors import ConstraintError
+from gpuwarden.errors import ConstraintError, UsageError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot
 from gpuwarden.units import format_bytes
 
@@ -33,6 +33,40 @@ class Constraints:
     # GPUs unavailable for reasons outside NVML, by uuid (e.g. "leased by pid 812 (alice) for 3m").
     unavailable: Mapping[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for what, ids in (("include", self.include), ("exclude", self.exclude)):
+            for ident in ids:
+                check_gpu_id(ident, what=what, listed=",".join(ids))
+
+
+_ID_FORM = "an index (0), a GPU-... UUID or its prefix, or a MIG-... UUID"
+
+
+def check_gpu_id(ident: str, *, what: str, listed: str | None = None) -> str:
+    """``ident`` when it names a GPU the way CUDA_VISIBLE_DEVICES does; UsageError otherwise.
+
+    A bare word would match nothing (or, as a UUID prefix, everything): refused, not guessed.
+    """
+    shown = ident if listed is None else listed
+    if not isinstance(ident, str) or not ident:
+        raise UsageError(f"{what} {shown!r}: an empty GPU id", fix=f"give {_ID_FORM}, "
+                         "separated by commas without empty entries")
+    ok = ident.isascii() and (ident.isdigit() or (
+        ident[:4] in ("GPU-", "MIG-") and len(ident) > 4
+        and all(c.isalnum() or c in "-/" for c in ident[4:])))
+    if not ok or len(ident) > 128:
+        raise UsageError(f"{what} {shown[:140]!r}: {ident[:60]!r} is not a GPU id",
+                         fix=f"give {_ID_FORM}")
+    return ident
+
+
+def parse_gpu_ids(text: str, *, what: str) -> tuple[str, ...]:
+    """'0,2,GPU-1f0e' → ('0', '2', 'GPU-1f0e'); UsageError for '0,,x' (an empty entry, a bare
+    word). An empty ``text`` is no list at all."""
+    if not text.strip():
+        return ()
+    return tuple(check_gpu_id(part.strip(), what=what, listed=text) for part in text.split(","))
+
 
 class Refusal(str, Enum):
     """Why a GPU was refused, as data: fix hints and callers decide by this, not by the prose."""
@@ -46,6 +80,7 @@ class Refusal(str, Enum):
     IN_USE = "in_use"
     MEMORY = "memory"
     UTILIZATION = "utilization"
+    UNREADABLE = "unreadable"  # NVML failed on it: GPU is lost, needs a reset
 
 
 @dataclass(frozen=True)
@@ -126,7 +161,9 @@ def _matches(gpu: GPUSnapshot, ids: Sequence[str]) -> bool:
 
 def judge(gpu: GPUSnapshot, c: Constraints) -> Verdict:
     """The verdict on one GPU; the first refusal found is the reason given."""
-    foreign = [p for p in gpu.processes if p.pid not in c.own_pids]
+    # Only compute contexts stand in a CUDA job's way (exclusive modes count only them); a
+    # graphics context (a display server) just holds memory, already in memory_used_bytes.
+    foreign = [p for p in gpu.processes if p.pid not in c.own_pids and p.has_compute]
     free = format_bytes(gpu.memory_free_bytes)
 
     def no(kind: Refusal, reason: str) -> Verdict:
@@ -136,6 +173,10 @@ def judge(gpu: GPUSnapshot, c: Constraints) -> Verdict:
         return no(Refusal.NOT_INCLUDED, "not in the requested list")
     if c.exclude and _matches(gpu, c.exclude):
         return no(Refusal.EXCLUDED, "excluded on request")
+    if gpu.error is not None:
+        return no(Refusal.UNREADABLE,
+                  f"unusable: {gpu.error} (GPU_HARDWARE_FAULT when it is lost: an admin must "
+                  "reset it; leave it out meanwhile)")
     if gpu.uuid in c.unavailable:
         return no(Refusal.UNAVAILABLE, c.unavailable[gpu.uuid])
     if gpu.compute_mode is ComputeMode.PROHIBITED:

@@ -13,9 +13,13 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gpuwarden import __version__
 from gpuwarden.errors import EXIT_USAGE, GpuwardenError
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory import Inventory
 
 # Subcommand modules, in the order `gpuwarden --help` lists them.
 COMMANDS = ("ls", "select", "launch", "run", "leases", "doctor", "explain")
@@ -38,13 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI with ``argv`` (default: sys.argv[1:]) and return the exit code."""
+def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = None) -> int:
+    """Run the CLI with ``argv`` (default: sys.argv[1:]) and return the exit code.
+
+    ``inventory``: the GPUs every command reads (default: NVML, or the host GPUWARDEN_SIMULATE
+    names), so a test or a program embedding the CLI can hand it a host.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help/--version exit 0, bad usage exits 2
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args.inventory = inventory
     if not getattr(args, "run", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -55,6 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def inventory_of(args: argparse.Namespace) -> Inventory:
+    """The inventory ``main`` was given, else the default one (NVML or GPUWARDEN_SIMULATE)."""
+    from gpuwarden.inventory import Inventory
+
+    given = getattr(args, "inventory", None)
+    return given if given is not None else Inventory.from_env()
 
 
 def console_main() -> None:

@@ -76,8 +76,13 @@ def run(args: argparse.Namespace) -> int:
     if (args.master_port is not None) and not args.master_addr and args.nnodes > 1:
         raise UsageError("--master-port without --master-addr in a multi-node check",
                          fix="give --master-addr (rank 0's host) too")
+    from gpuwarden.cli import inventory_of
+    from gpuwarden.doctor.probes import Probes
+
+    inventory = inventory_of(args)
     report = run_doctor(Options(nproc=args.nproc, master_addr=args.master_addr,
-                                master_port=args.master_port, nnodes=args.nnodes))
+                                master_port=args.master_port, nnodes=args.nnodes),
+                        Probes(read_host=lambda env: inventory.read_host()))
     if args.json:
         emit_json(report.to_dict())
     else:

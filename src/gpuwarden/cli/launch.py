@@ -145,10 +145,11 @@ def _nnodes(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpuwarden.cli import inventory_of
     from gpuwarden.launch.runner import launch
 
     config = config_from_args(args)
-    report, _outcome = launch(config)
+    report, _outcome = launch(config, inventory=inventory_of(args))
     if not report.ok or not args.quiet:
         print(report.render(), file=sys.stderr)
     if args.json:

@@ -22,12 +22,13 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.inventory import read_host
+    from gpuwarden.cli import inventory_of
     from gpuwarden.visibility import parse_visibility
 
-    host = read_host()
+    inventory = inventory_of(args)
+    host = inventory.read_host()
     try:
-        vis = parse_visibility(host.gpus)
+        vis = parse_visibility(host.gpus, inventory.env)
         ordinals = {g.uuid: i for i, g in enumerate(vis.gpus)}
         notes = vis.notes
     except VisibilityError as exc:  # still list the host; the variable is what's wrong
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
                f"{format_bytes(g.memory_used_bytes)} / {format_bytes(g.memory_total_bytes)}",
                format_bytes(g.memory_free_bytes), util, g.compute_mode.value,
                "on" if g.mig_enabled else "off", procs]
+        if g.error is not None:  # a lost GPU: what NVML said instead of made-up numbers
+            row = [str(g.index), g.name, "?", "?", "?", "?", "?", f"unusable: {g.error}"]
         if restricted:
             ordinal = ordinals.get(g.uuid)
             row.insert(1, "-" if ordinal is None else f"cuda:{ordinal}")

@@ -52,6 +52,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpuwarden.cli import inventory_of
     from gpuwarden.lease import StatusPrinter, acquire
 
     cmd = list(args.cmd)
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     with printer:
         grant = acquire(constraints=constraints, slots_per_gpu=args.slots_per_gpu,
                         slots_each=args.slots_each, wait=args.wait, label=label,
-                        on_wait=None if args.quiet else printer)
+                        on_wait=None if args.quiet else printer, inventory=inventory_of(args))
     with grant:
         if not args.quiet:
             slots = "" if args.slots_per_gpu == 1 else \

@@ -33,7 +33,7 @@ def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, .
 
 
 def constraints_from_args(args: argparse.Namespace) -> Constraints:
-    from gpuwarden.select import Constraints
+    from gpuwarden.select import Constraints, parse_gpu_ids
     from gpuwarden.units import parse_size
 
     count = getattr(args, "count", 1)
@@ -46,13 +46,9 @@ def constraints_from_args(args: argparse.Namespace) -> Constraints:
         min_free_bytes=parse_size(args.min_free, what="--min-free"),
         max_util_pct=args.max_util,
         allow_shared=args.allow_shared,
-        include=_ids(args.include),
-        exclude=_ids(args.exclude),
+        include=parse_gpu_ids(args.include, what="--include"),
+        exclude=parse_gpu_ids(args.exclude, what="--exclude"),
     )
-
-
-def _ids(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def add_parser(sub: Any) -> None:
@@ -73,11 +69,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.inventory import read_visible
+    from gpuwarden.cli import inventory_of
     from gpuwarden.select import select
 
     constraints = constraints_from_args(args)
-    _host, gpus = read_visible()
+    _host, gpus = inventory_of(args).read_visible()
     selection = select(gpus, constraints)
     if args.json:
         emit_json({

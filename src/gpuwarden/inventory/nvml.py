@@ -1,27 +1,43 @@
 """The real backend: GPU state through NVML (nvidia-ml-py), never through CUDA.
 
-NVML does not create a CUDA context, so reading it in a launcher or a pool's
-parent leaves the process fork-safe. Every call goes through :func:`_call`,
-which initializes NVML lazily under a lock and maps NVML's errors to
-gpuwarden's. NVML is shut down at interpreter exit.
+NVML does not create a CUDA context, so reading it in a launcher or a pool's parent leaves
+the process fork-safe. Every query goes through one :class:`_Session` per ``pynvml`` module,
+which initializes NVML lazily under a lock and maps NVML's errors to gpuwarden's; NVML is
+shut down at interpreter exit. ``NvmlBackend(nvml=module)`` runs on any module with
+pynvml's names (the test-suite's double of a driver, see tests/fake_pynvml.py).
+
+What real drivers vary in, and what is done about it:
+
+- **Missing symbols.** A driver older than the bindings lacks ``*_v3`` (and older still
+  ``*_v2``) of the running-process queries: they are tried newest first and fall back on
+  ``NVMLError_FunctionNotFound`` down to the original (v1) C symbol, called through
+  ``ctypes`` with the v1 struct, as nvitop does. Any other query missing from the driver
+  (or from an old ``pynvml``) is an answer "unknown" (None), never a failure.
+- **NOT_SUPPORTED / NO_PERMISSION / NOT_FOUND**: utilization on a MIG-enabled GPU, processes
+  on a MIG parent without privileges, an empty MIG slot: "unknown" for that field.
+- **A lost GPU** (``GPU_IS_LOST``, fallen off the bus; or any error while reading one GPU):
+  that GPU is reported with ``error`` set, selection refuses it, every other GPU is read.
+- **Graphics processes** are listed beside compute ones, marked ``context="graphics"``.
+- **Pids from another PID namespace**: NVML reports the host's pid numbers; in a container
+  with its own PID namespace they name nothing (or the wrong process) here, so they are not
+  looked up and are marked as such. NVML's own process name is used when it has one.
+- **Driver/library version mismatch** (the driver was upgraded, the kernel module not
+  reloaded): one clear NVML_UNAVAILABLE error with the fix.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from types import SimpleNamespace
+from typing import Any
 
 from gpuwarden.errors import NoGPUError, NVMLError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
-
-T = TypeVar("T")
-
-_lock = threading.Lock()
-_initialized = False
 
 _NO_NVML_FIX = (
     "on a GPU host install the NVIDIA driver (it ships libnvidia-ml.so.1); in a container start it "
@@ -31,8 +47,20 @@ _NO_NVML_FIX = (
 _MODES = {0: ComputeMode.DEFAULT, 1: ComputeMode.EXCLUSIVE_THREAD, 2: ComputeMode.PROHIBITED,
           3: ComputeMode.EXCLUSIVE_PROCESS}
 
+# What NVML answers when a value is not available (usedGpuMemory under WDDM, some MIG setups).
+_ULLONG_MAX = 2**64 - 1
 
-def _pynvml() -> Any:
+NOT_IN_PID_NAMESPACE = "pid not in this PID namespace (container)"
+EXITED = "exited since NVML listed it"
+
+
+class _ProcessInfoV1(ctypes.Structure):
+    """nvmlProcessInfo_v1_t: what drivers without the _v2 symbols fill in."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+
+def _import_pynvml() -> Any:
     try:
         import pynvml
     except ImportError as exc:  # the dependency is declared; a broken env still gets a clear line
@@ -43,156 +71,341 @@ def _pynvml() -> Any:
     return pynvml
 
 
-def _ensure_init() -> Any:
-    global _initialized
-    nvml = _pynvml()
-    with _lock:
-        if _initialized:
+class _Session:
+    """One ``pynvml``-like module: lazy initialization under a lock, errors classified."""
+
+    def __init__(self, module: Any | None = None) -> None:
+        self._module = module
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._shutdown_registered = False
+        # The running-process query version this driver answers (None: not decided yet).
+        self.process_suffix: str | None = None
+
+    @property
+    def nvml(self) -> Any:
+        if self._module is None:
+            self._module = _import_pynvml()
+        return self._module
+
+    def ensure_init(self) -> Any:
+        nvml = self.nvml
+        with self._lock:
+            if self._initialized:
+                return nvml
+            try:
+                nvml.nvmlInit()
+            except nvml.NVMLError as exc:
+                raise _init_error(nvml, exc) from exc
+            self._initialized = True
+            if not self._shutdown_registered:
+                self._shutdown_registered = True
+                atexit.register(self.shutdown)
             return nvml
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._initialized:
+                # At exit nothing useful can be done with a failing shutdown.
+                with contextlib.suppress(Exception):
+                    self.nvml.nvmlShutdown()
+                self._initialized = False
+
+    def function(self, name: str) -> Callable[..., Any] | None:
+        """``nvml.<name>``, or None when these bindings do not have it (an old nvidia-ml-py)."""
+        fn = getattr(self.nvml, name, None)
+        return fn if callable(fn) else None
+
+    def optional(self, name: str, *args: Any) -> Any:
+        """A query some drivers, boards or MIG instances cannot answer: None then.
+
+        Other NVML errors propagate as pynvml's exceptions (callers decide: a whole host
+        failing, or one GPU).
+        """
+        nvml = self.nvml
+        fn = self.function(name)
+        if fn is None:
+            return None
         try:
-            nvml.nvmlInit()
-        except nvml.NVMLError_LibraryNotFound as exc:
-            raise NoGPUError(
-                "no NVIDIA driver: the NVML library (libnvidia-ml.so.1) is not installed",
-                why="GPU state is read through NVML, which comes with the driver",
-                fix=_NO_NVML_FIX,
-            ) from exc
-        except nvml.NVMLError_DriverNotLoaded as exc:
-            raise NoGPUError(
-                "the NVIDIA kernel driver is not loaded",
-                why="NVML found its library but no running driver",
-                fix="load the driver (nvidia-smi should work), or run on a GPU host",
-            ) from exc
-        except nvml.NVMLError as exc:
-            raise NoGPUError(
-                f"NVML failed to initialize: {exc}", fix=_NO_NVML_FIX
-            ) from exc
-        _initialized = True
-        atexit.register(_shutdown)
-        return nvml
+            return fn(*args)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission,
+                nvml.NVMLError_NotFound, nvml.NVMLError_FunctionNotFound):
+            return None
 
-
-def _shutdown() -> None:
-    global _initialized
-    with _lock:
-        if _initialized:
-            # At exit nothing useful can be done with a failing shutdown.
-            with contextlib.suppress(Exception):
-                _pynvml().nvmlShutdown()
-            _initialized = False
-
-
-def _call(fn: Callable[..., T], *args: Any) -> T:
-    nvml = _ensure_init()
-    try:
+    def required(self, name: str, *args: Any) -> Any:
+        fn = self.function(name)
+        if fn is None:
+            raise self.nvml.NVMLError(self.nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return fn(*args)
-    except nvml.NVMLError as exc:
-        raise NVMLError(f"NVML {fn.__name__} failed: {exc}") from exc
 
 
-def _optional(fn: Callable[..., T], *args: Any) -> T | None:
-    """Queries some boards or MIG instances do not support: None instead of an error."""
-    nvml = _ensure_init()
-    try:
-        return fn(*args)
-    except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission, nvml.NVMLError_NotFound):
-        return None
-    except nvml.NVMLError as exc:
-        raise NVMLError(f"NVML {fn.__name__} failed: {exc}") from exc
+def _init_error(nvml: Any, exc: Exception) -> NoGPUError:
+    checks: list[tuple[str, str, str, str]] = [
+        ("NVMLError_LibraryNotFound",
+         "no NVIDIA driver: the NVML library (libnvidia-ml.so.1) is not installed",
+         "GPU state is read through NVML, which comes with the driver", _NO_NVML_FIX),
+        ("NVMLError_DriverNotLoaded", "the NVIDIA kernel driver is not loaded",
+         "NVML found its library but no running driver",
+         "load the driver (nvidia-smi should work), or run on a GPU host"),
+        ("NVMLError_LibRmVersionMismatch",
+         "NVIDIA driver/library version mismatch: libnvidia-ml and the loaded kernel module "
+         "are different versions",
+         "the driver was upgraded without reloading its kernel module, or a container brings "
+         "its own libnvidia-ml instead of the host's",
+         "reboot (or unload and reload the nvidia kernel modules); in a container use the "
+         "host's driver libraries (NVIDIA container toolkit)"),
+        ("NVMLError_NoPermission", "no permission to use the NVIDIA devices (/dev/nvidia*)",
+         "NVML could not open the device nodes as this user",
+         "ask an admin for access to /dev/nvidia* (often the 'video' group)"),
+    ]
+    for class_name, what, why, fix in checks:
+        cls = getattr(nvml, class_name, None)
+        if cls is not None and isinstance(exc, cls):
+            return NoGPUError(what, why=why, fix=fix)
+    return NoGPUError(f"NVML failed to initialize: {exc}", fix=_NO_NVML_FIX)
+
+
+_default_session = _Session()
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _processes(nvml: Any, handle: Any) -> tuple[GPUProcess, ...]:
-    import psutil
+def _in_nested_pid_namespace() -> bool:
+    """Whether this process runs in a PID namespace below the host's (a container).
 
-    raw = _optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
-    out = []
-    for p in raw:
-        user: str | None = None
-        command: str | None = None
-        try:
-            proc = psutil.Process(p.pid)
-            user = proc.username()
-            command = " ".join(proc.cmdline()) or proc.name()
-        except (psutil.Error, OSError):
-            # Another PID namespace (container) or already gone: NVML still counts it.
-            pass
-        used = getattr(p, "usedGpuMemory", None)
-        out.append(GPUProcess(pid=p.pid, user=user, command=command,
-                              used_memory_bytes=used if isinstance(used, int) else None))
-    return tuple(out)
+    /proc/self/status's NSpid line has one pid per namespace level, outermost first.
+    """
+    from gpuwarden.boundedio import read_regular
 
-
-def _mig_devices(nvml: Any, handle: Any, index: int, parent_uuid: str) -> tuple[GPUSnapshot, ...]:
-    count = _optional(nvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
-    out = []
-    for i in range(count):
-        mig = _optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)
-        if mig is None:
-            continue
-        mem = _call(nvml.nvmlDeviceGetMemoryInfo, mig)
-        out.append(GPUSnapshot(
-            index=index,
-            uuid=_text(_call(nvml.nvmlDeviceGetUUID, mig)),
-            name=_text(_optional(nvml.nvmlDeviceGetName, mig) or "MIG instance"),
-            pci_bus_id="",
-            memory_total_bytes=int(mem.total),
-            memory_used_bytes=int(mem.used),
-            utilization_gpu_pct=None,
-            compute_mode=ComputeMode.DEFAULT,
-            mig_enabled=False,
-            processes=_processes(nvml, mig),
-            mig_parent_uuid=parent_uuid,
-        ))
-    return tuple(out)
-
-
-def device_count() -> int:
-    """How many GPUs NVML sees (raises NoGPUError without NVML)."""
-    nvml = _ensure_init()
-    return int(_call(nvml.nvmlDeviceGetCount))
+    try:
+        status = read_regular("/proc/self/status", max_bytes=64 * 1024)
+    except (OSError, ValueError):
+        return False
+    for line in status.splitlines():
+        if line.startswith(b"NSpid:"):
+            return len(line.split()) > 2
+    return False
 
 
 class NvmlBackend:
-    """Reads every GPU of this host through NVML."""
+    """Reads every GPU of this host through NVML.
+
+    ``nvml``: a module with pynvml's names to use instead of ``pynvml`` (a test's double).
+    ``nested_pid_namespace``: whether NVML's pids are foreign here; None detects it.
+    """
 
     name = "nvml"
 
+    def __init__(self, nvml: Any | None = None, *, nested_pid_namespace: bool | None = None
+                 ) -> None:
+        self._session = _default_session if nvml is None else _Session(nvml)
+        self._nested = nested_pid_namespace
+
     def read_host(self) -> HostSnapshot:
-        nvml = _ensure_init()
-        gpus = []
-        for index in range(_call(nvml.nvmlDeviceGetCount)):
-            handle = _call(nvml.nvmlDeviceGetHandleByIndex, index)
-            uuid = _text(_call(nvml.nvmlDeviceGetUUID, handle))
-            mem = _call(nvml.nvmlDeviceGetMemoryInfo, handle)
-            util = _optional(nvml.nvmlDeviceGetUtilizationRates, handle)
-            mode = _optional(nvml.nvmlDeviceGetComputeMode, handle)
-            mig_mode = _optional(nvml.nvmlDeviceGetMigMode, handle)
-            mig_enabled = bool(mig_mode and mig_mode[0] == nvml.NVML_DEVICE_MIG_ENABLE)
-            gpus.append(GPUSnapshot(
-                index=index,
-                uuid=uuid,
-                name=_text(_call(nvml.nvmlDeviceGetName, handle)),
-                pci_bus_id=_text(_call(nvml.nvmlDeviceGetPciInfo, handle).busId),
-                memory_total_bytes=int(mem.total),
-                memory_used_bytes=int(mem.used),
-                utilization_gpu_pct=None if util is None else int(util.gpu),
-                compute_mode=_MODES.get(mode if mode is not None else 0, ComputeMode.DEFAULT),
-                mig_enabled=mig_enabled,
-                processes=_processes(nvml, handle),
-                mig_devices=_mig_devices(nvml, handle, index, uuid) if mig_enabled else (),
-            ))
-        cuda_version = _optional(nvml.nvmlSystemGetCudaDriverVersion)
+        s = self._session
+        nvml = s.ensure_init()
+        nested = _in_nested_pid_namespace() if self._nested is None else self._nested
+        try:
+            count = int(s.required("nvmlDeviceGetCount"))
+            gpus = tuple(_Reader(s, nested).gpu(index) for index in range(count))
+            driver = _text(s.required("nvmlSystemGetDriverVersion"))
+            cuda_version = s.optional("nvmlSystemGetCudaDriverVersion")
+        except nvml.NVMLError as exc:
+            raise NVMLError(f"NVML failed to list this host's GPUs: {exc}",
+                            fix="check `nvidia-smi`; a driver in this state usually needs a "
+                            "reset or a reboot by an admin") from exc
         return HostSnapshot(
             hostname=socket.gethostname(),
-            driver_version=_text(_call(nvml.nvmlSystemGetDriverVersion)),
+            driver_version=driver,
             cuda_driver_version=(
                 None if cuda_version is None
                 else f"{cuda_version // 1000}.{(cuda_version % 1000) // 10}"
             ),
-            gpus=tuple(gpus),
+            gpus=gpus,
             source="nvml",
         )
+
+
+class _Reader:
+    """Reads GPUs one at a time; a GPU NVML fails on is reported as such, not raised."""
+
+    def __init__(self, session: _Session, nested_pid_namespace: bool) -> None:
+        self.s = session
+        self.nvml = session.nvml
+        self.nested = nested_pid_namespace
+
+    def gpu(self, index: int) -> GPUSnapshot:
+        seen: dict[str, Any] = {}
+        try:
+            return self._gpu(index, seen)
+        except self.nvml.NVMLError as exc:
+            return _failed_gpu(index, seen, exc)
+
+    def _gpu(self, index: int, seen: dict[str, Any]) -> GPUSnapshot:
+        s = self.s
+        handle = s.required("nvmlDeviceGetHandleByIndex", index)
+        seen["uuid"] = uuid = _text(s.required("nvmlDeviceGetUUID", handle))
+        seen["name"] = name = _text(s.optional("nvmlDeviceGetName", handle) or "NVIDIA GPU")
+        pci = s.optional("nvmlDeviceGetPciInfo", handle)
+        seen["pci_bus_id"] = pci_bus_id = "" if pci is None else _text(pci.busId)
+        mem = s.required("nvmlDeviceGetMemoryInfo", handle)
+        util = s.optional("nvmlDeviceGetUtilizationRates", handle)
+        mode = s.optional("nvmlDeviceGetComputeMode", handle)
+        mig_mode = s.optional("nvmlDeviceGetMigMode", handle)
+        mig_enabled = bool(mig_mode and mig_mode[0] == self.nvml.NVML_DEVICE_MIG_ENABLE)
+        return GPUSnapshot(
+            index=index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=pci_bus_id,
+            memory_total_bytes=int(mem.total),
+            memory_used_bytes=int(mem.used),
+            utilization_gpu_pct=None if util is None else int(util.gpu),
+            compute_mode=_MODES.get(mode if mode is not None else 0, ComputeMode.DEFAULT),
+            mig_enabled=mig_enabled,
+            processes=self.processes(handle),
+            mig_devices=self.mig_devices(handle, index, uuid) if mig_enabled else (),
+        )
+
+    def mig_devices(self, handle: Any, index: int, parent_uuid: str) -> tuple[GPUSnapshot, ...]:
+        s = self.s
+        count = s.optional("nvmlDeviceGetMaxMigDeviceCount", handle) or 0
+        out = []
+        for i in range(count):
+            mig = s.optional("nvmlDeviceGetMigDeviceHandleByIndex", handle, i)
+            if mig is None:  # an empty slot: NOT_FOUND
+                continue
+            mem = s.required("nvmlDeviceGetMemoryInfo", mig)
+            out.append(GPUSnapshot(
+                index=index,
+                uuid=_text(s.required("nvmlDeviceGetUUID", mig)),
+                name=_text(s.optional("nvmlDeviceGetName", mig) or "MIG instance"),
+                pci_bus_id="",
+                memory_total_bytes=int(mem.total),
+                memory_used_bytes=int(mem.used),
+                utilization_gpu_pct=None,  # NVML has no per-instance utilization
+                compute_mode=ComputeMode.DEFAULT,
+                mig_enabled=False,
+                processes=self.processes(mig),
+                mig_parent_uuid=parent_uuid,
+            ))
+        return tuple(out)
+
+    def processes(self, handle: Any) -> tuple[GPUProcess, ...]:
+        """Compute and graphics processes, one entry per pid (context says which)."""
+        merged: dict[int, tuple[set[str], int | None]] = {}
+        for context in ("compute", "graphics"):
+            for p in self.running(handle, context) or ():
+                used = getattr(p, "usedGpuMemory", None)
+                used = used if isinstance(used, int) and used != _ULLONG_MAX else None
+                contexts, known = merged.setdefault(int(p.pid), (set(), used))
+                contexts.add(context)
+                if known is None and used is not None:
+                    merged[int(p.pid)] = (contexts, used)
+        return tuple(self._describe(pid, contexts, used)
+                     for pid, (contexts, used) in merged.items())
+
+    def running(self, handle: Any, context: str) -> list[Any] | None:
+        """nvmlDeviceGet{Compute,Graphics}RunningProcesses, newest version the driver has.
+
+        None when NVML cannot say (not supported, no permission, no symbol at all).
+        """
+        kind = "Compute" if context == "compute" else "Graphics"
+        base = f"nvmlDeviceGet{kind}RunningProcesses"
+        s = self.s
+        suffixes = ("_v3", "_v2", "") if s.process_suffix is None else (s.process_suffix,)
+        for suffix in suffixes:
+            try:
+                result = (self._running_v1(base, handle) if suffix == ""
+                          else s.required(base + suffix, handle))
+            except self.nvml.NVMLError_FunctionNotFound:
+                continue
+            except (self.nvml.NVMLError_NotSupported, self.nvml.NVMLError_NoPermission,
+                    self.nvml.NVMLError_NotFound):
+                return None
+            s.process_suffix = suffix  # the driver's version: no failed lookups next time
+            return list(result)
+        return None
+
+    def _running_v1(self, base: str, handle: Any) -> list[Any]:
+        """The original C symbol with the v1 struct (pid, usedGpuMemory): drivers < 470.
+
+        nvidia-ml-py has no Python wrapper left for it, so it is called through ctypes.
+        """
+        nvml = self.nvml
+        lookup = getattr(nvml, "_nvmlGetFunctionPointer", None)
+        if lookup is None:
+            raise nvml.NVMLError(nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        fn = lookup(base)
+        count = ctypes.c_uint(0)
+        ret = fn(handle, ctypes.byref(count), None)
+        if ret == nvml.NVML_SUCCESS:
+            return []
+        if ret != nvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise nvml.NVMLError(ret)
+        count.value = count.value * 2 + 5  # room for processes started meanwhile
+        infos = (_ProcessInfoV1 * count.value)()
+        ret = fn(handle, ctypes.byref(count), infos)
+        if ret != nvml.NVML_SUCCESS:
+            raise nvml.NVMLError(ret)
+        return [SimpleNamespace(pid=infos[i].pid, usedGpuMemory=infos[i].usedGpuMemory)
+                for i in range(count.value)]
+
+    def _describe(self, pid: int, contexts: set[str], used: int | None) -> GPUProcess:
+        context = "compute+graphics" if len(contexts) == 2 else next(iter(contexts))
+        user, command, note = None, None, None
+        if self.nested:
+            # NVML's pid is the host's; a process here with that number is another one.
+            note = NOT_IN_PID_NAMESPACE
+        else:
+            import psutil
+
+            try:
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    user = proc.username()
+                    command = " ".join(proc.cmdline()) or proc.name()
+            except psutil.NoSuchProcess:
+                note = EXITED
+            except (psutil.Error, OSError):
+                pass  # another user's process we may not inspect: the pid is still right
+        if command is None:
+            # The driver knows the process by its host pid, from any namespace.
+            name = _quiet(lambda: self.s.optional("nvmlSystemGetProcessName", pid), self.nvml)
+            command = _text(name) if name else None
+        return GPUProcess(pid=pid, user=user, command=command, used_memory_bytes=used,
+                          context=context, note=note)
+
+
+def _quiet(query: Callable[[], Any], nvml: Any) -> Any:
+    try:
+        return query()
+    except nvml.NVMLError:
+        return None
+
+
+def _failed_gpu(index: int, seen: dict[str, Any], exc: Exception) -> GPUSnapshot:
+    """A GPU NVML could not read: shown with the error, refused by selection."""
+    return GPUSnapshot(
+        index=index,
+        uuid=seen.get("uuid", f"GPU-unreadable-{index}"),
+        name=seen.get("name", "?"),
+        pci_bus_id=seen.get("pci_bus_id", ""),
+        memory_total_bytes=0,
+        memory_used_bytes=0,
+        utilization_gpu_pct=None,
+        compute_mode=ComputeMode.DEFAULT,
+        mig_enabled=False,
+        error=f"NVML: {exc}",
+    )
+
+
+def device_count() -> int:
+    """How many GPUs NVML sees (raises NoGPUError without NVML)."""
+    nvml = _default_session.ensure_init()
+    try:
+        return int(nvml.nvmlDeviceGetCount())
+    except nvml.NVMLError as exc:
+        raise NVMLError(f"NVML nvmlDeviceGetCount failed: {exc}") from exc

@@ -156,6 +156,7 @@ def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
         mig_enabled=mig_enabled,
         processes=processes,
         mig_devices=migs,
+        error=f.get("error", str, default=None),
     )
 
 
@@ -184,17 +185,24 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
     for i, item in enumerate(raw):
         f = _Fields(item, f"{where}[{i}]")
         mib = f.get("used_memory_mib", int, default=None)
+        context = f.get("context", str, default="compute")
+        if context not in _CONTEXTS:
+            raise ScenarioError(f"{where}[{i}].context: {_short(context)} is not a context",
+                                fix=f"use one of {', '.join(_CONTEXTS)}")
         out.append(
             GPUProcess(
                 pid=f.get("pid", int),
                 user=f.get("user", str, default=None),
                 command=f.get("command", str, default=None),
                 used_memory_bytes=None if mib is None else mib * MIB,
+                context=context,
+                note=f.get("note", str, default=None),
             )
         )
     return tuple(out)
 
 
+_CONTEXTS = ("compute", "graphics", "compute+graphics")
 _MISSING = object()
 
 

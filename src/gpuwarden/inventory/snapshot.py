@@ -28,16 +28,26 @@ class ComputeMode(str, Enum):
 @dataclass(frozen=True)
 class GPUProcess:
     """A process holding a context on a GPU. ``user``/``command`` are None when not visible
-    to us (another PID namespace, or a process that has just exited)."""
+    to us (another PID namespace, or a process that has just exited); ``note`` says which."""
 
     pid: int
     user: str | None
     command: str | None
     used_memory_bytes: int | None
+    # "compute", "graphics" (a display server, a renderer) or "compute+graphics".
+    context: str = "compute"
+    # Why user/command are missing: e.g. "pid not in this PID namespace (container)".
+    note: str | None = None
+
+    @property
+    def has_compute(self) -> bool:
+        """Whether it holds a CUDA (compute) context: what exclusive compute modes count."""
+        return "compute" in self.context
 
     def describe(self) -> str:
         """'pid 5151 (carol, python eval.py)' — the form used in every reason string."""
-        who = ", ".join(x for x in (self.user, self.command) if x)
+        kind = None if self.context == "compute" else f"{self.context} context"
+        who = ", ".join(x for x in (self.user, self.command, kind, self.note) if x)
         return f"pid {self.pid} ({who})" if who else f"pid {self.pid}"
 
 
@@ -59,6 +69,9 @@ class GPUSnapshot:
     mig_devices: tuple[GPUSnapshot, ...] = ()
     # Set on a MIG instance: the uuid of the GPU it is carved from.
     mig_parent_uuid: str | None = None
+    # Set when the GPU could not be read: NVML's error ("NVML: GPU is lost"). Its other
+    # fields are then what was read before the error (memory 0); selection refuses it.
+    error: str | None = None
 
     @property
     def memory_free_bytes(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError
 from gpuwarden.inventory.snapshot import GPUSnapshot
@@ -16,6 +17,9 @@ from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
 from gpuwarden.procs import short_command
 from gpuwarden.select import Constraints
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory import Inventory
 
 
 @dataclass
@@ -32,7 +36,7 @@ class TakenGPUs:
             release()
 
 
-def take_gpus(config: LaunchConfig) -> TakenGPUs:
+def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> TakenGPUs:
     """The GPUs for ``config``, leased when the lease manager is installed.
 
     CPU when ``--cpu``, or when the host has no GPU (no NVML, or none visible) and ``--gpus``
@@ -42,11 +46,12 @@ def take_gpus(config: LaunchConfig) -> TakenGPUs:
     """
     if config.cpu:
         return TakenGPUs((), ("--cpu: ranks run on CPU (gloo)",))
-    from gpuwarden.inventory import read_visible
+    from gpuwarden.inventory import Inventory
     from gpuwarden.select import select
 
+    inventory = inventory or Inventory.from_env()
     try:
-        _host, visible = read_visible()
+        _host, visible = inventory.read_visible()
     except NoGPUError as exc:
         if config.gpus is not None:
             raise
@@ -66,11 +71,11 @@ def take_gpus(config: LaunchConfig) -> TakenGPUs:
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
         # (no --wait) or ever (more GPUs than visible).
         raise _more_ranks_than_gpus(now.error(), world, want)
-    return _take_gpus(want, constraints, config, world, visible)
+    return _take_gpus(want, constraints, config, world, visible, inventory)
 
 
 def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world: int,
-               visible: tuple[GPUSnapshot, ...]) -> TakenGPUs:
+               visible: tuple[GPUSnapshot, ...], inventory: Inventory) -> TakenGPUs:
     """Lease the GPUs (gpuwarden.lease): the pick and the claim are one atomic step between
     jobs on this host, and ``--wait`` waits in line. The grant is held by this (supervising)
     process; ranks never inherit its lock files (they are started with ``close_fds``)."""
@@ -79,7 +84,7 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
     try:
         grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
                         constraints=constraints, label=f"gpuwarden launch {config.target}",
-                        visible=visible)
+                        visible=visible, inventory=inventory)
     except ConstraintError as exc:
         raise _more_ranks_than_gpus(exc, world, count) from exc
     return TakenGPUs(tuple(grant.gpus), (), grant.release)

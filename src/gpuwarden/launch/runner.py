@@ -13,7 +13,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import replace
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import make_plan
@@ -21,10 +21,14 @@ from gpuwarden.launch.preflight import choose_port, take_gpus
 from gpuwarden.launch.report import LaunchReport, build_report, stall_report
 from gpuwarden.launch.supervisor import RunOutcome, Stall, Supervisor
 
+if TYPE_CHECKING:
+    from gpuwarden.inventory import Inventory
+
 
 def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
            argv: tuple[str, ...] | None = None,
-           run_dir: str | None = None) -> tuple[LaunchReport, RunOutcome]:
+           run_dir: str | None = None, inventory: Inventory | None = None
+           ) -> tuple[LaunchReport, RunOutcome]:
     """Run ``config`` to the end and return its report (printed by the caller) and outcome.
 
     Raises before any rank starts: UsageError (exit 2), NoGPUError (3), ConstraintError with
@@ -38,7 +42,7 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
         pre = check_rendezvous(config, dict(os.environ), err=err)
         if pre.env:
             config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
-    taken = take_gpus(config)
+    taken = take_gpus(config, inventory)
     own_dir = run_dir is None
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     try:

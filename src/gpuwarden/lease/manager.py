@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
@@ -45,6 +45,9 @@ from gpuwarden.lease.status import GpuState, OnWait, WaitStatus, describe_reques
 from gpuwarden.select import Constraints, judge, preference_key
 from gpuwarden.units import format_duration, parse_duration, parse_size
 from gpuwarden.visibility import CHILD_ORDER_ENV
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory import Inventory
 
 REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardless
 SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
@@ -419,10 +422,11 @@ def _write_ticket(waiter: _Waiter, eligible: tuple[str, ...]) -> None:
         waiter.ticket.write(replace(record, started_at=waiter.ticket.record.started_at))
 
 
-def _read_gpus(env: Mapping[str, str] | None) -> tuple[GPUSnapshot, ...]:
-    from gpuwarden.inventory import read_visible
+def _read_gpus(env: Mapping[str, str] | None, inventory: Inventory | None = None
+               ) -> tuple[GPUSnapshot, ...]:
+    from gpuwarden.inventory import Inventory
 
-    _host, gpus = read_visible(env)
+    _host, gpus = (inventory or Inventory.from_env(env)).read_visible()
     return gpus
 
 
@@ -431,7 +435,8 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
             constraints: Constraints | None = None, label: str | None = None,
             on_wait: OnWait | None = None, lease_dir: str | Path | None = None,
             env: Mapping[str, str] | None = None,
-            visible: Sequence[GPUSnapshot] | None = None, up_to: int | None = None) -> Grant:
+            visible: Sequence[GPUSnapshot] | None = None, up_to: int | None = None,
+            inventory: Inventory | None = None) -> Grant:
     """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each) and return the Grant.
 
     ``n="all"``: every GPU that is acceptable and free at the moment of the attempt (at least
@@ -444,6 +449,8 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
     ``on_wait(WaitStatus)`` is called after every attempt that could not be served.
     ``visible``: the visible GPUs as the caller has just read them, used for the first attempt
     instead of reading NVML again (while waiting, GPU state is re-read).
+    ``inventory``: where GPU state is read (default: ``Inventory.from_env(env)``, NVML or
+    GPUWARDEN_SIMULATE).
 
     Raises:
         LeaseUnavailableError (exit 4): not served at once and no ``wait`` given, or the
@@ -460,7 +467,7 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
         dict(env) if env is not None else None))
     waiter = _Waiter(req, directory)
     try:
-        return _acquire(waiter, env, on_wait, visible)
+        return _acquire(waiter, env, on_wait, visible, inventory)
     finally:
         if waiter.ticket is not None:
             waiter.ticket.remove()
@@ -469,7 +476,8 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
 def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
                  slots_each: int = 1, constraints: Constraints | None = None,
                  lease_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 visible: Sequence[GPUSnapshot] | None = None) -> int:
+                 visible: Sequence[GPUSnapshot] | None = None,
+                 inventory: Inventory | None = None) -> int:
     """How many GPUs ``acquire("all", ...)`` with these arguments would be granted now.
 
     The same judgement as an attempt, under the same lock, but nothing is taken: a
@@ -479,7 +487,7 @@ def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
                        slots_each=slots_each, constraints=constraints)
     directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
         dict(env) if env is not None else None))
-    gpus = tuple(visible) if visible is not None else _read_gpus(env)
+    gpus = tuple(visible) if visible is not None else _read_gpus(env, inventory)
     try:
         return _attempt(_Waiter(req, directory), gpus, will_wait=False, probe=True).usable
     except OSError as exc:
@@ -487,11 +495,12 @@ def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
 
 
 def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
-             visible: Sequence[GPUSnapshot] | None) -> Grant:
+             visible: Sequence[GPUSnapshot] | None, inventory: Inventory | None = None
+             ) -> Grant:
     req = waiter.request
     start = time.monotonic()
     wait_s = req.wait_s or 0.0
-    gpus = tuple(visible) if visible is not None else _read_gpus(env)
+    gpus = tuple(visible) if visible is not None else _read_gpus(env, inventory)
     if len(gpus) < req.gpus:
         raise LeaseUnavailableError(
             f"{req.describe()} requested, but only {len(gpus)} GPU(s) are visible",
@@ -529,7 +538,7 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
             settle = [base + s for s in SETTLE_S]
         # A holder that ended may leave NVML's process list a moment later: re-read then.
         if changed or time.monotonic() - read_at >= REFRESH_S:
-            gpus, read_at = _read_gpus(env), time.monotonic()
+            gpus, read_at = _read_gpus(env, inventory), time.monotonic()
 
 
 def _attempt_mapped(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwarden.errors import (
     GpuwardenError,
@@ -38,6 +38,9 @@ from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.pool import _pickling, _worker
 from gpuwarden.pool._launch import ForkServerLauncher, Launcher, SpawnLauncher
 from gpuwarden.pool.plan import WorkerSlot, plan_slots
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory import Inventory
 from gpuwarden.procs import describe_exit
 
 log = logging.getLogger("gpuwarden.pool")
@@ -122,6 +125,7 @@ class GPUPool(Executor):
     at shutdown. Without a GPU (no driver, none visible) ``gpus="auto"`` runs ``cpu_workers``
     CPU workers and warns once; ``gpus=0`` is a CPU pool on any host, without a warning.
     ``max_workers`` also caps the GPUs taken: only the GPUs those workers fill are leased.
+    ``inventory``: where GPU state is read (default: NVML, or GPUWARDEN_SIMULATE's host).
 
     Raises (from the constructor): UsageError for a bad argument; ConstraintError (exit 4)
     when fewer GPUs than requested are usable (busy, too little free memory, prohibited
@@ -148,6 +152,7 @@ class GPUPool(Executor):
         allow_shared: bool = False,
         wait: float | str | None = None,
         label: str = "gpuwarden pool",
+        inventory: Inventory | None = None,
     ) -> None:
         if workers_per_gpu < 1:
             raise UsageError(f"workers_per_gpu={workers_per_gpu}: must be at least 1")
@@ -172,7 +177,7 @@ class GPUPool(Executor):
             min_free_bytes = make_request(1, min_free=min_free).constraints.min_free_bytes
             taken = take_gpus(gpus, workers_per_gpu, max_workers=max_workers,
                               min_free_bytes=min_free_bytes, allow_shared=allow_shared,
-                              wait=wait, label=label)
+                              wait=wait, label=label, inventory=inventory)
             if not taken.gpus:
                 _warn_cpu_once(taken.why_cpu)
         self._release = taken.release

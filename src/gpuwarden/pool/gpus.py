@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from gpuwarden.errors import NoGPUError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.select import Constraints
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory import Inventory
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ def gpus_for_workers(max_workers: int, workers_per_gpu: int) -> int:
 
 
 def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: int = 0,
-                     allow_shared: bool = False, workers_per_gpu: int = 1) -> int:
+                     allow_shared: bool = False, workers_per_gpu: int = 1,
+                     inventory: Inventory | None = None) -> int:
     """How many GPUs :func:`take_gpus` would take for ``spec`` now (0: a CPU pool).
 
     For ``"auto"`` this asks the lease manager the same question ``take_gpus`` has it decide
@@ -43,18 +47,19 @@ def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: i
         return spec
     if not isinstance(spec, str):
         return len(spec)
-    from gpuwarden.inventory import read_visible
+    from gpuwarden.inventory import Inventory
     from gpuwarden.lease.manager import usable_count
 
+    inventory = inventory or Inventory.from_env()
     try:
-        _, visible = read_visible()
+        _, visible = inventory.read_visible()
     except NoGPUError:
         return 0
     if not visible:
         return 0
     return usable_count(slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
                         constraints=_constraints(1, min_free_bytes, allow_shared),
-                        visible=visible)
+                        visible=visible, inventory=inventory)
 
 
 def _constraints(count: int, min_free_bytes: int, allow_shared: bool,
@@ -66,7 +71,7 @@ def _constraints(count: int, min_free_bytes: int, allow_shared: bool,
 def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
               max_workers: int | None = None, min_free_bytes: int = 0,
               allow_shared: bool = False, wait: float | str | None = None,
-              label: str = "gpuwarden pool") -> TakenGPUs:
+              label: str = "gpuwarden pool", inventory: Inventory | None = None) -> TakenGPUs:
     """Lease the GPUs for a pool, with every GPU's verdict in the error when that fails.
 
     ``max_workers`` caps the GPUs taken at the ones that many workers fill. ``"auto"`` takes
@@ -78,14 +83,15 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
     NoGPUError when GPUs are asked for by count or id on a host without NVML or with
     none visible.
     """
-    from gpuwarden.inventory import read_visible
+    from gpuwarden.inventory import Inventory
     from gpuwarden.lease import acquire
 
+    inventory = inventory or Inventory.from_env()
     explicit = spec != "auto"
     if isinstance(spec, str) and spec != "auto":
         raise UsageError(f"gpus={spec!r}: expected 'auto', a count, or a list of ids")
     try:
-        _, visible = read_visible()
+        _, visible = inventory.read_visible()
     except NoGPUError as exc:
         if explicit:
             raise
@@ -107,6 +113,6 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
         n = spec if isinstance(spec, int) else len(include)
         n, up_to = (n if cap is None else min(n, cap)), None
     grant = acquire(n, up_to=up_to, slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
-                    wait=wait, label=label, visible=visible,
+                    wait=wait, label=label, visible=visible, inventory=inventory,
                     constraints=_constraints(1, min_free_bytes, allow_shared, include))
     return TakenGPUs(tuple(grant.gpus), grant.release)
