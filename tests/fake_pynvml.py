@@ -55,6 +55,8 @@ class FakeGPU:
     # From this query on (a name as in FakeDriver.calls: "handle", "uuid", "memory",
     # "processes"), every query of this GPU answers GPU_IS_LOST.
     lost_at: str | None = None
+    # The GPU falls off the bus between the two calls of the v1 process query (size, fill).
+    lost_between_calls: bool = False
 
 
 _ORDER = ("handle", "uuid", "name", "pci", "memory", "utilization", "compute_mode", "mig",
@@ -74,7 +76,7 @@ class FakeDriver:
     def __init__(self, gpus: Iterable[FakeGPU], *, driver_version: str = "550.54.15",
                  cuda_version: int = 12040, missing: Iterable[str] = (),
                  absent: Iterable[str] = (), init_error: int | None = None,
-                 process_names: dict[int, str] | None = None) -> None:
+                 process_names: dict[int, str | int] | None = None) -> None:
         self.gpus = list(gpus)
         self.driver_version = driver_version
         self.cuda_version = cuda_version
@@ -114,6 +116,8 @@ class FakeDriver:
                 procs = self._processes(handle, kind)
             except real.NVMLError as exc:
                 return int(exc.value)
+            if infos is not None and handle.gpu.lost_between_calls:
+                return real.NVML_ERROR_GPU_IS_LOST
             if infos is None or count.value < len(procs):
                 count.value = len(procs)
                 return real.NVML_SUCCESS if not procs else real.NVML_ERROR_INSUFFICIENT_SIZE
@@ -254,9 +258,10 @@ class FakeDriver:
 
         def nvmlSystemGetProcessName(pid: int) -> str:
             d._symbol("nvmlSystemGetProcessName")
-            if pid not in d.process_names:
-                raise real.NVMLError(real.NVML_ERROR_NOT_FOUND)
-            return d.process_names[pid]
+            name = d.process_names.get(pid, real.NVML_ERROR_NOT_FOUND)
+            if isinstance(name, int):  # an NVML_ERROR_* to answer with
+                raise real.NVMLError(name)
+            return name
 
         for fn in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
                    nvmlDeviceGetUUID, nvmlDeviceGetName, nvmlDeviceGetPciInfo,

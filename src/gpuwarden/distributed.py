@@ -62,9 +62,41 @@ _info: DistInfo | None = None
 
 
 def detect_world(env: Mapping[str, str] | None = None) -> WorldEnv:
-    """Read the launcher's variables (pure given ``env``). Raises UsageError naming a missing or
-    malformed variable, e.g. Open MPI without MASTER_ADDR."""
-    env = os.environ if env is None else env
+    """Read the launcher's variables (pure given ``env``). Raises UsageError (exit 2) naming a
+    missing, malformed or out-of-range variable, e.g. Open MPI without MASTER_ADDR,
+    ``MASTER_PORT=70000`` (before torch would raise its own ValueError), ``RANK`` not below
+    ``WORLD_SIZE``."""
+    world = _detect_world(os.environ if env is None else env)
+    _check_ranges(world)
+    return world
+
+
+def _check_ranges(world: WorldEnv) -> None:
+    names = {"gpuwarden": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+             "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+             "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+             "mpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                     "OMPI_COMM_WORLD_LOCAL_RANK")}.get(world.launcher)
+    # 0 only for a world of one, where it means "pick a free port".
+    lowest_port = 0 if world.launcher == "single" else 1
+    if not lowest_port <= world.master_port <= 65535:
+        raise UsageError(f"MASTER_PORT={world.master_port} is not a TCP port",
+                         why="ports are 1-65535; torch would fail with a ValueError",
+                         fix="set MASTER_PORT to a free port in 1024-65535, e.g. 29500")
+    if names is None:
+        return
+    rank_name, world_name, local_name = names
+    if world.world_size < 1:
+        raise UsageError(f"{world_name}={world.world_size}: a job has at least one rank",
+                         fix=f"fix {world_name}")
+    if not 0 <= world.rank < world.world_size:
+        raise UsageError(f"{rank_name}={world.rank} is outside 0..{world.world_size - 1} "
+                         f"({world_name}={world.world_size})", fix=f"fix {rank_name}")
+    if world.local_rank < 0:
+        raise UsageError(f"{local_name}={world.local_rank} is negative", fix=f"fix {local_name}")
+
+
+def _detect_world(env: Mapping[str, str]) -> WorldEnv:
 
     def num(name: str, default: int | None = None) -> int:
         raw = env.get(name)
@@ -73,10 +105,12 @@ def detect_world(env: Mapping[str, str] | None = None) -> WorldEnv:
                 raise UsageError(f"{name} is not set", fix=f"export {name}, or start the job "
                                  "with gpuwarden launch / torchrun / srun")
             return default
-        try:
-            return int(raw.split("(")[0])  # SLURM_TASKS_PER_NODE style '2(x3)'
-        except ValueError:
-            raise UsageError(f"{name}={raw!r} is not a number", fix=f"fix {name}") from None
+        text = raw.split("(")[0].strip()  # SLURM_TASKS_PER_NODE style '2(x3)'
+        # At most 9 digits: no rank, size or port is larger, and int() of a 5000-digit value
+        # would raise its own ValueError about digit limits.
+        if not (text.lstrip("+-").isdigit() and len(text) <= 10):
+            raise UsageError(f"{name}={raw[:40]!r} is not a number", fix=f"fix {name}")
+        return int(text)
 
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "gpuwarden" if "GPUWARDEN_RUN_ID" in env else "torchrun"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -172,21 +173,21 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
+# The kernel's fixed inode number of the initial PID namespace (PROC_PID_INIT_INO, Linux >= 3.8).
+_INIT_PID_NAMESPACE = "pid:[4026531836]"
+
+
 def _in_nested_pid_namespace() -> bool:
     """Whether this process runs in a PID namespace below the host's (a container).
 
-    /proc/self/status's NSpid line has one pid per namespace level, outermost first.
+    /proc/self/ns/pid names the namespace by inode, and the host's has a fixed one. (The NSpid
+    line of /proc/self/status cannot tell: a container mounts its own /proc, which shows only
+    its own level.)
     """
-    from gpuwarden.boundedio import read_regular
-
     try:
-        status = read_regular("/proc/self/status", max_bytes=64 * 1024)
-    except (OSError, ValueError):
+        return os.readlink("/proc/self/ns/pid") != _INIT_PID_NAMESPACE
+    except OSError:  # no /proc, or not Linux: nothing to compare with
         return False
-    for line in status.splitlines():
-        if line.startswith(b"NSpid:"):
-            return len(line.split()) > 2
-    return False
 
 
 class NvmlBackend:
