@@ -147,7 +147,8 @@ def open_lock_file(path: Path) -> int:
     default) an O_CREAT open of another user's file in a sticky directory fails with
     EACCES even though the file is readable.
     """
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    # O_NONBLOCK: only flock()ed, never read; a FIFO planted at the path must not block.
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     for _ in range(100):
         try:
             return os.open(path, flags)
@@ -212,7 +213,8 @@ def probe_record_alive(path: Path) -> bool | None:
     an exclusive one, so a probe never disturbs a live owner.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO planted under a record's name must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError:

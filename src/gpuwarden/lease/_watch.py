@@ -42,7 +42,8 @@ def unwatch(event: threading.Event) -> None:
 
 def _block_on(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO planted under a record's name must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         fd = -1  # already gone: that is the news
     if fd >= 0:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.boundedio import read_regular
 from gpuwarden.lease import _fs
 from gpuwarden.procs import short_command
 
@@ -207,7 +208,8 @@ def _remove_if_stale(path: Path, min_age_s: float = 0.0) -> None:
     """Delete our own record whose lock nobody holds. Called under the directory mutex,
     which every record write also holds, so the file cannot be replaced meanwhile."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO planted under a record's name must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return
     try:
@@ -223,9 +225,13 @@ def _remove_if_stale(path: Path, min_age_s: float = 0.0) -> None:
 
 def parse_record(path: Path) -> Record:
     """Read one record; ValueError/KeyError/TypeError when it is not a valid record."""
-    with open(path, "rb") as f:
-        raw = f.read(1 << 20)
-    data = json.loads(raw)
+    # Bounded: any user can plant a FIFO, a symlink to /dev/zero or a deep JSON in the shared
+    # directory (InputRefused is a ValueError: the record is reported as corrupt).
+    raw = read_regular(path, max_bytes=1 << 20, nofollow=True)
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a record") from None
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     kind = data["kind"]
