@@ -19,14 +19,16 @@ from gpuwarden.select import Constraints
 
 # The child runs the CLI's main() and reports how long main() took and its peak memory
 # (interpreter start-up excluded from the time: it is not gpuwarden's to bound).
+# Peak memory is VmHWM of the child's own address space: getrusage's ru_maxrss would also
+# count the pytest process it was forked from (Linux keeps the high-water mark across exec).
 _CHILD = """
-import resource, sys, time
+import sys, time
 from gpuwarden.cli import main
 start = time.monotonic()
 code = main(sys.argv[1:])
 took = time.monotonic() - start
-rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-sys.stderr.write(f"\\n@@ {took:.3f} {rss_mb:.1f}\\n")
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+sys.stderr.write(f"\\n@@ {took:.3f} {int(hwm) / 1024:.1f}\\n")
 sys.exit(code)
 """
 

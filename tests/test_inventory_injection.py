@@ -86,3 +86,18 @@ def test_launch_and_doctor_read_the_inventory_given_to_main(no_default_host: Non
     assert main(["doctor", "--json"], inventory=example()) in (0, 1)
     checks = {c["id"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert "4 GPU" in json.dumps(checks)
+
+
+def test_the_joblib_backend_passes_the_inventory_on(no_default_host: None) -> None:
+    from joblib import Parallel, delayed, parallel_config
+
+    from gpuwarden.pool.joblib_backend import shutdown_reusable_pool
+
+    inventory = Inventory(SimulatedBackend(SCENARIOS / "two_gpu.json"), env={})
+    try:
+        with parallel_config(backend="gpuwarden", n_jobs=-1, inventory=inventory, preload=(),
+                             start_method="spawn"):
+            seen = set(Parallel()(delayed(visible_devices)(i) for i in range(4)))
+    finally:
+        shutdown_reusable_pool()
+    assert seen == {"0", "1"}  # n_jobs=-1: one worker per GPU of the injected host

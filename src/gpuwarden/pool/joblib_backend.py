@@ -64,7 +64,8 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
     gpus = usable_gpu_count(
         pool_kwargs.get("gpus", "auto"), workers_per_gpu=workers_per_gpu,
         min_free_bytes=make_request(1, min_free=min_free).constraints.min_free_bytes,
-        allow_shared=bool(pool_kwargs.get("allow_shared", False)))
+        allow_shared=bool(pool_kwargs.get("allow_shared", False)),
+        inventory=pool_kwargs.get("inventory"))
     if gpus:
         return gpus * workers_per_gpu
     return int(pool_kwargs.get("cpu_workers") or os.cpu_count() or 1)
