@@ -315,3 +315,12 @@ def test_a_gpu_lost_between_the_two_v1_calls_is_lost() -> None:
                         missing=PROCESS_QUERIES)
     lost, ok = read(driver).gpus
     assert lost.error == "NVML: GPU is lost" and ok.error is None
+
+
+def test_the_doctor_fails_a_lost_gpu_with_its_code(capsys: pytest.CaptureFixture[str]) -> None:
+    inventory = Inventory(NvmlBackend(FakeDriver([gpu(0), gpu(1, lost_at="memory")]).module(),
+                                      nested_pid_namespace=False), env={})
+    assert main(["doctor", "--json"], inventory=inventory) == 1
+    driver = {c["id"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["driver"]
+    assert (driver["status"], driver["code"]) == ("fail", "GPU_HARDWARE_FAULT")
+    assert "GPU 1 (NVML: GPU is lost)" in driver["what"]

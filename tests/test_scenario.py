@@ -71,3 +71,21 @@ def test_scenario_fields_reach_the_snapshot() -> None:
     assert gpu0.uuid == raw["uuid"] and gpu0.pci_bus_id == raw["pci_bus_id"]
     assert gpu0.memory_used_bytes == raw["memory_used_mib"] * 1024**2
     assert gpu0.processes[0].user == "bob" and gpu0.processes[0].pid == 4242
+
+
+def test_a_scenario_can_hold_a_lost_gpu_and_graphics_processes(tmp_path: Path) -> None:
+    data = example()
+    data["gpus"][1]["error"] = "NVML: GPU is lost"
+    data["gpus"][0]["processes"].append({"pid": 77, "command": "Xorg", "context": "graphics",
+                                         "note": "pid not in this PID namespace (container)"})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    host = SimulatedBackend(path).read_host()
+    assert host.gpus[1].error == "NVML: GPU is lost" and host.gpus[0].error is None
+    xorg = host.gpus[0].processes[-1]
+    assert (xorg.context, xorg.note, xorg.has_compute) == \
+        ("graphics", "pid not in this PID namespace (container)", False)
+    data["gpus"][0]["processes"][-1]["context"] = "video"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ScenarioError, match=r"gpus\[0\].processes\[1\].context: 'video' is not"):
+        SimulatedBackend(path).read_host()

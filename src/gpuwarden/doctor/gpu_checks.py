@@ -51,6 +51,16 @@ def check_driver(host: HostSnapshot | None, error: GpuwardenError | None, torch:
                      why="the container or VM was started without GPUs, or the GPUs fell off "
                      "the bus (dmesg: 'fallen off the bus', Xid 79)",
                      fix="start the container with --gpus all; check `nvidia-smi` and dmesg")
+    failed = [g for g in host.gpus if g.error is not None]
+    if failed:
+        return check("driver", "GPU_HARDWARE_FAULT", FAIL,
+                     f"{len(failed)} of {_gpu_word(len(host.gpus))} cannot be read: "
+                     + ", ".join(f"{g.label} ({g.error})" for g in failed),
+                     why="NVML answers 'GPU is lost' for a GPU that fell off the bus or failed "
+                     "(dmesg: Xid 79, 'fallen off the bus'); software cannot bring it back",
+                     fix="leave it out (gpuwarden never selects it; --exclude for other tools) "
+                     "and have an admin reset it (nvidia-smi -r) or drain the node",
+                     evidence=evidence)
     return check("driver", "CUDA_NO_DEVICE", OK,
                  f"NVIDIA driver {host.driver_version or '?'} (supports CUDA up to "
                  f"{host.cuda_driver_version or '?'}), {_gpu_word(len(host.gpus))} through {source}",
