@@ -60,3 +60,30 @@ def test_cli_ls_json_on_real_gpu(capsys, monkeypatch) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["host"]["source"] == "nvml" and data["gpus"]
     print(json.dumps(data, indent=1))  # shown with -s in the GPU verification run
+
+
+def test_the_real_driver_answers_a_process_query_version_and_graphics() -> None:
+    import pynvml
+
+    from gpuwarden.inventory import nvml as backend
+
+    host = NvmlBackend().read_host()
+    # Some version of the running-process query answered (v3 on drivers >= 510).
+    assert backend._default_session.process_suffix in ("_v3", "_v2", "")
+    for gpu in host.gpus:
+        assert gpu.error is None, f"{gpu.label}: {gpu.error} (check nvidia-smi / dmesg)"
+        for proc in gpu.processes:
+            assert proc.context in ("compute", "graphics", "compute+graphics")
+    pynvml.nvmlInit()
+    try:
+        for gpu in host.gpus:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            try:
+                graphics = {p.pid for p in pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
+            except pynvml.NVMLError:
+                continue  # not supported on this board: nothing to compare
+            listed = {p.pid for p in gpu.processes if "graphics" in p.context}
+            for pid in listed - graphics:  # ended between the two reads, or a wrong listing
+                assert not psutil.pid_exists(pid), (pid, graphics)
+    finally:
+        pynvml.nvmlShutdown()
