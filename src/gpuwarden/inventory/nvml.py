@@ -11,8 +11,10 @@ What real drivers vary in, and what is done about it:
 - **Missing symbols.** A driver older than the bindings lacks ``*_v3`` (and older still
   ``*_v2``) of the running-process queries: they are tried newest first and fall back on
   ``NVMLError_FunctionNotFound`` down to the original (v1) C symbol, called through
-  ``ctypes`` with the v1 struct, as nvitop does. Any other query missing from the driver
-  (or from an old ``pynvml``) is an answer "unknown" (None), never a failure.
+  ``ctypes`` with the v1 struct, as nvitop does. A query for a detail (name, PCI id,
+  utilization, compute mode, MIG, CUDA version, process names) missing from the driver or
+  from an old ``pynvml`` is an answer "unknown" (None), never a failure; only the core
+  queries (count, handle, UUID, memory, driver version) are required.
 - **NOT_SUPPORTED / NO_PERMISSION / NOT_FOUND**: utilization on a MIG-enabled GPU, processes
   on a MIG parent without privileges, an empty MIG slot: "unknown" for that field.
 - **A lost GPU** (``GPU_IS_LOST``, fallen off the bus; or any error while reading one GPU):
