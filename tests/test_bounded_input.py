@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,64 @@ def test_planted_fifos_and_devices_in_the_lease_dir_block_nothing(tmp_path: Path
         code, err, took, rss_mb = run_cli(args, env)
         assert code == 0, err
         assert took < 1.0 and rss_mb < 100, (args, took, rss_mb)
+
+
+def _write_later(path: str, delay_s: float, data: bytes, *, open_first: bool = False
+                 ) -> threading.Thread:
+    """A writer thread: opens the FIFO (blocking until a reader comes), waits, writes."""
+
+    def write() -> None:
+        if open_first:
+            with open(path, "wb") as w:
+                time.sleep(delay_s)
+                w.write(data)
+        else:
+            time.sleep(delay_s)
+            with open(path, "wb") as w:
+                w.write(data)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_fifo_writers_in_process(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+    # A writer already waiting in its open, which writes only later: it is accepted at once.
+    writer = _write_later(path, 0.3, b"late\n", open_first=True)
+    time.sleep(0.05)
+    with open_stream(path) as stream:
+        assert stream.read() == b"late\n"
+    writer.join(5)
+    # A writer that wrote everything and closed before the reader looked: data is read.
+    writer = _write_later(path, 0.0, b"all at once\n")
+    time.sleep(0.05)
+    with open_stream(path, fifo_open_timeout_s=2) as stream:
+        assert stream.read() == b"all at once\n"
+    writer.join(5)
+    # A writer arriving within the wait.
+    writer = _write_later(path, 0.1, b"soon\n")
+    with open_stream(path, fifo_open_timeout_s=2) as stream:
+        assert stream.read() == b"soon\n"
+    writer.join(5)
+    # Nobody: refused after the wait, and no thread or descriptor is left behind.
+    before = len(os.listdir("/proc/self/fd"))
+    threads = threading.active_count()
+    start = time.monotonic()
+    with pytest.raises(InputRefused, match="no process opened for writing within 0.1 s"):
+        open_stream(path, fifo_open_timeout_s=0.1)
+    assert time.monotonic() - start < 1.5
+    assert len(os.listdir("/proc/self/fd")) == before and threading.active_count() == threads
+
+
+def test_unreadable_and_undecodable_scenarios_in_process(tmp_path: Path) -> None:
+    from gpuwarden.errors import ScenarioError
+    from gpuwarden.inventory.simulated import SimulatedBackend
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ScenarioError, match="cannot be read"):  # ENOTDIR
+        SimulatedBackend(tmp_path / "file" / "x").read_host()
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"gpus": []}\n\n\xc3(')
+    with pytest.raises(ScenarioError, match="byte 0xc3 at offset 14, line 3"):
+        SimulatedBackend(bad).read_host()
