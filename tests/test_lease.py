@@ -281,9 +281,11 @@ def test_stale_and_corrupt_records_never_block_or_crash(scenario, lease_dir):
 
 
 def test_a_forged_live_record_does_not_block_a_gpu(scenario, lease_dir):
-    """Records are for display; only slot locks claim GPUs."""
+    """A record is believed only when the kernel's lock table names the pid it claims: one
+    that claims pid 1 (user root) while another process holds its lock blocks nothing and
+    is listed as forged."""
     scenario("two_idle")
-    forged = {"schema": 1, "kind": "holder", "id": "forged", "pid": os.getpid(), "user": "eve",
+    forged = {"schema": 1, "kind": "holder", "id": "forged", "pid": 1, "user": "root",
               "host": "x", "command": "x", "label": "", "started_at": time.time(),
               "claims": [{"uuid": u, "index": i, "slots_per_gpu": 1, "slots": [0]}
                          for i, u in enumerate((GPU0, GPU1))]}
@@ -294,6 +296,8 @@ def test_a_forged_live_record_does_not_block_a_gpu(scenario, lease_dir):
     try:
         with lease(2) as grant:
             assert grant.visible_devices == "0,1"
+        [bad] = list_leases().corrupt
+        assert "forged: claims pid 1" in bad.problem and f"pid {os.getpid()}" in bad.problem
     finally:
         os.close(fd)
 
