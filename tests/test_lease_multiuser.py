@@ -447,13 +447,13 @@ def test_a_deeply_nested_record_is_listed_not_a_traceback(shared, mallory):
     with lease(1):
         pass
     deep = leases / "holder.deep.json"
-    with holding(mallory, lambda: _lock_file(deep, create=b"[" * 60000)):
-        with nothing_written_outside(shared, leases):
-            code, out = run_wait_3s("--gpus", "2")
-            assert code == 0, out
-            code, out, _took = gpuwarden("leases")
-            assert code == 0 and "Traceback" not in out, out
-            assert "holder.deep.json" in out and "nested deeper" in out
+    with holding(mallory, lambda: _lock_file(deep, create=b"[" * 60000)), \
+            nothing_written_outside(shared, leases):
+        code, out = run_wait_3s("--gpus", "2")
+        assert code == 0, out
+        code, out, _took = gpuwarden("leases")
+        assert code == 0 and "Traceback" not in out, out
+        assert "holder.deep.json" in out and "nested deeper" in out
 
 
 # -- 8. a forged, locked ticket under a fake identity ---------------------------------------------
