@@ -34,7 +34,7 @@ import pytest
 from gpuwarden.errors import LeaseDirError, LeaseUnavailableError
 from gpuwarden.lease import acquire, lease, list_leases
 from gpuwarden.lease._fs import prepare_dir
-from tests._lease_util import wait_all
+from tests._lease_util import fork_child, wait_all
 
 pytestmark = [
     pytest.mark.usefixtures("no_leftover_processes"),
@@ -111,17 +111,11 @@ def _become(user: User) -> None:
 def as_user(user: User, body: Callable[[], Any]) -> int:
     """Run ``body`` as ``user`` in a forked child: 0 when it returned, 1 when it raised
     (its traceback on stderr), or the code it passed to os._exit."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            _become(user)
-            body()
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    def run() -> None:
+        _become(user)
+        body()
+
+    pid = fork_child(run)
     return wait_all([pid], timeout_s=30)[pid]
 
 
@@ -498,10 +492,7 @@ def test_a_stopped_waiter_holds_no_gpu_back_and_is_shown_stopped(shared, mallory
             assert "held back for an earlier request" in refusal(lambda: acquire(1))
             os.kill(pid, signal.SIGSTOP)
             try:
-                deadline = time.monotonic() + 5
-                while not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].startswith(" T"):
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
+                _wait_stopped(pid)
                 with lease(1) as g:
                     assert g.visible_devices == "1"
                 [ticket] = list_leases().tickets
@@ -510,6 +501,24 @@ def test_a_stopped_waiter_holds_no_gpu_back_and_is_shown_stopped(shared, mallory
                 assert f"{pid} (stopped)" in out, out
             finally:
                 os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stopped_holder_is_shown_stopped(shared, mallory):
+    prepare_dir(shared / "tmp" / "leases")
+    with holding(mallory, lambda: acquire(1, label="train.py")) as pid:
+        os.kill(pid, signal.SIGSTOP)
+        _wait_stopped(pid)
+        why = refusal(lambda: acquire(2))
+        assert f"GPU0 leased by pid {pid} ({mallory.name}, train.py, stopped)" in why, why
+        code, out, _took = gpuwarden("leases")
+        assert f"{pid} (stopped)" in out, out
+
+
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].startswith(" T"):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.01)
 
 
 # -- 10. escape sequences in labels -----------------------------------------------------------------

@@ -707,9 +707,11 @@ def forget_in_child() -> None:
     Closing (never unlocking: LOCK_UN would release the parent's lock too) drops the
     child's reference, so the claim lives exactly as long as the process that took it.
     """
+    global _checked_lock
     for holder in list(_live):
         holder._close_in_child()
     _live.clear()
+    _checked_lock = threading.Lock()  # another thread may have held it at the fork
 
 
 os.register_at_fork(after_in_child=forget_in_child)

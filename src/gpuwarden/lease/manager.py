@@ -455,7 +455,9 @@ def _leased_reason(gpu: GPUSnapshot, req: LeaseRequest, holders: Sequence[Record
     now = time.time()
     if not holders:
         return "leased by a process that left no record (it may be starting)"
-    parts = [f"{h.who()} for {format_duration(max(0.0, now - h.started_at))}" for h in holders]
+    # Whether a holder is stopped (Ctrl-Z) is asked of /proc only here, for a blocked GPU.
+    parts = [f"{replace(h, stopped=_fs.is_stopped(h.pid)).who()} for "
+             f"{format_duration(max(0.0, now - h.started_at))}" for h in holders]
     if req.slots_per_gpu > 1:
         used = sum(len(c.slots) for h in holders for c in h.claims if c.uuid == gpu.uuid)
         return f"{used}/{req.slots_per_gpu} slots leased by " + "; ".join(parts)
