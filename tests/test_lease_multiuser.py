@@ -94,6 +94,7 @@ def shared(scenario: Callable[[Path], Path], monkeypatch: pytest.MonkeyPatch) ->
 def _warm_up(root: Path) -> None:
     """Import everything a lease and the CLI use, before a child drops to the other user
     (who cannot read the interpreter's files under /root)."""
+    import gpuwarden.lease.admin  # noqa: F401 (for `leases init` as the other user)
     from gpuwarden.cli import build_parser
 
     build_parser()
@@ -305,6 +306,50 @@ def test_a_prepared_dir_refuses_more_slots_than_it_has_lock_files(shared, mallor
         assert not list(leases.glob("slot.*.k4.*"))  # she created no lock file
 
     assert as_user(mallory, ask) == 0
+
+
+def test_init_with_a_group_admits_only_it_and_needs_root(shared, mallory):
+    from gpuwarden.cli import main
+
+    leases = shared / "tmp" / "leases"
+    leases.mkdir(mode=0o700)
+    code, out, _took = gpuwarden("leases", "init", "--dir", str(leases), "--group", mallory.name)
+    assert code == 0, out
+    st = leases.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, mallory.gid, 0o1770)
+    slot = _slot(leases).stat()
+    assert (slot.st_uid, slot.st_gid, slot.st_mode & 0o777) == (0, mallory.gid, 0o640)
+
+    def member() -> None:
+        with lease(2) as g:  # her group may enter, lock and write records
+            assert g.visible_devices == "0,1"
+        os._exit(10 + main(["leases", "init", "--dir", str(shared / "tmp" / "mine")]))
+
+    assert as_user(mallory, member) == 12  # init as a user: a usage error, nothing made
+    assert not (shared / "tmp" / "mine").exists()
+
+
+def test_the_default_directory_is_the_prepared_shared_one_else_per_user(shared, mallory,
+                                                                        monkeypatch):
+    from gpuwarden.lease import _fs
+
+    monkeypatch.delenv("GPUWARDEN_LEASE_DIR")
+    run = shared / "run-gpuwarden"
+    monkeypatch.setattr(_fs, "SHARED_LEASE_DIR", str(run))
+
+    def choice() -> None:
+        path, warning = _fs.lease_dir_choice()
+        assert path == Path(f"/tmp/gpuwarden-leases-{mallory.uid}")
+        assert warning and "not other users'" in warning and "leases init" in warning
+
+    assert as_user(mallory, choice) == 0  # not prepared: her own, with a warning
+    run.mkdir(mode=0o700)
+    _init(run)
+    assert as_user(mallory, lambda: _expect(_fs.lease_dir_choice(), (run, None))) == 0
+
+
+def _expect(got: object, wanted: object) -> None:
+    assert got == wanted, got
 
 
 # -- 2. the directory created first by the other user ---------------------------------------------
