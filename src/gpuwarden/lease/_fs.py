@@ -227,8 +227,7 @@ class _Checked:
     real: Path
     prepared: bool
     fd: int
-    uid: int
-    mode: int
+    identity: tuple[int, int, int, int]  # device, inode, owner, mode
     at: float
     held: bool = False  # the shared flock of hold_dir taken
 
@@ -246,9 +245,7 @@ def check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[P
         known = _checked.get(key)
     if known is not None and time.monotonic() - known.at < RECHECK_S:
         try:
-            now = os.fstat(known.fd)
-            if same_file(known.fd, known.real) and (now.st_uid, now.st_mode) == (
-                    known.uid, known.mode):
+            if _identity(os.stat(known.real, follow_symlinks=False)) == known.identity:
                 return known.real, known.prepared
         except OSError:
             pass
@@ -260,7 +257,7 @@ def check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[P
         return real, prepared
     with _checked_lock:
         old = _checked.get(key)
-        entry = _Checked(real, prepared, fd, st.st_uid, st.st_mode, time.monotonic())
+        entry = _Checked(real, prepared, fd, _identity(st), time.monotonic())
         if old is not None and same_file(old.fd, real):
             entry.fd, entry.held = old.fd, old.held  # keep the descriptor (and its flock)
             os.close(fd)
@@ -268,6 +265,10 @@ def check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[P
             os.close(old.fd)
         _checked[key] = entry
     return real, prepared
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_uid, st.st_mode
 
 
 def _check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[Path, bool]:
@@ -639,8 +640,21 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def is_stopped(pid: int) -> bool:
-    return process_state(pid) in ("T", "t")
+_states: dict[int, tuple[float, bool]] = {}
+
+
+def is_stopped(pid: int, max_age_s: float = 0.0) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger); with ``max_age_s``, an answer
+    read that recently may be reused (for display: a waiter retries many times a second)."""
+    if max_age_s:
+        known = _states.get(pid)
+        if known is not None and time.monotonic() - known[0] < max_age_s:
+            return known[1]
+    stopped = process_state(pid) in ("T", "t")
+    if len(_states) > 4096:
+        _states.clear()
+    _states[pid] = (time.monotonic(), stopped)
+    return stopped
 
 
 @dataclass(frozen=True)

@@ -456,7 +456,7 @@ def _leased_reason(gpu: GPUSnapshot, req: LeaseRequest, holders: Sequence[Record
     if not holders:
         return "leased by a process that left no record (it may be starting)"
     # Whether a holder is stopped (Ctrl-Z) is asked of /proc only here, for a blocked GPU.
-    parts = [f"{replace(h, stopped=_fs.is_stopped(h.pid)).who()} for "
+    parts = [f"{replace(h, stopped=_fs.is_stopped(h.pid, max_age_s=0.5)).who()} for "
              f"{format_duration(max(0.0, now - h.started_at))}" for h in holders]
     if req.slots_per_gpu > 1:
         used = sum(len(c.slots) for h in holders for c in h.claims if c.uuid == gpu.uuid)
