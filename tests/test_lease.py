@@ -321,7 +321,10 @@ def test_a_claim_without_a_record_still_blocks_and_is_listed(scenario, lease_dir
 
 # -- the lease directory ------------------------------------------------------------------------
 
-def test_missing_lease_dir_is_created_shared_and_sticky(scenario, tmp_path, monkeypatch):
+def test_missing_lease_dir_is_created_sticky_by_root_private_by_a_user(scenario, tmp_path,
+                                                                       monkeypatch):
+    """Root's directory is shared (1777, like /tmp); a user's is private (0700): no other user
+    would trust a directory a user owns, since its owner could delete their lock files."""
     scenario("two_idle")
     path = tmp_path / "new-leases"
     monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(path))
@@ -331,7 +334,7 @@ def test_missing_lease_dir_is_created_shared_and_sticky(scenario, tmp_path, monk
             pass
     finally:
         os.umask(old)
-    assert path.stat().st_mode & 0o7777 == 0o1777
+    assert path.stat().st_mode & 0o7777 == (0o1777 if os.geteuid() == 0 else 0o700)
     for f in path.iterdir():
         assert f.stat().st_mode & 0o044 == 0o044, f"{f.name} is not readable by other users"
 
