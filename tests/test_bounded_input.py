@@ -183,7 +183,7 @@ def test_planted_fifos_and_devices_in_the_lease_dir_block_nothing(tmp_path: Path
     lease_dir = tmp_path / "leases"
     lease_dir.mkdir(mode=0o1777)
     lease_dir.chmod(0o1777)
-    for name in ("holder.fifo.json", "ticket.fifo.json", ".x.tmp", "mutex.lock"):
+    for name in ("holder.fifo.json", "ticket.fifo.json", ".x.tmp"):
         os.mkfifo(lease_dir / name)
     (lease_dir / "holder.zero.json").symlink_to("/dev/zero")
     (lease_dir / "holder.deep.json").write_bytes(b"[" * 2_000_000)
@@ -193,6 +193,12 @@ def test_planted_fifos_and_devices_in_the_lease_dir_block_nothing(tmp_path: Path
         code, err, took, rss_mb = run_cli(args, env)
         assert code == 0, err
         assert took < 1.0 and rss_mb < 100, (args, took, rss_mb)
+    # A FIFO in place of the directory's mutex cannot be worked around: a one-line refusal, fast.
+    (lease_dir / "mutex.lock").unlink()
+    os.mkfifo(lease_dir / "mutex.lock")
+    code, err, took, rss_mb = run_cli(["run", "--gpus", "1", "--", "true"], env)
+    assert code == 2 and "error[LEASE_DIR]" in err and "is a FIFO" in err, err
+    assert took < 1.0 and rss_mb < 100, (took, rss_mb)
 
 
 def _write_later(path: str, delay_s: float, data: bytes, *, open_first: bool = False

@@ -281,9 +281,11 @@ def test_stale_and_corrupt_records_never_block_or_crash(scenario, lease_dir):
 
 
 def test_a_forged_live_record_does_not_block_a_gpu(scenario, lease_dir):
-    """Records are for display; only slot locks claim GPUs."""
+    """A record is believed only when the kernel's lock table names the pid it claims: one
+    that claims pid 1 (user root) while another process holds its lock blocks nothing and
+    is listed as forged."""
     scenario("two_idle")
-    forged = {"schema": 1, "kind": "holder", "id": "forged", "pid": os.getpid(), "user": "eve",
+    forged = {"schema": 1, "kind": "holder", "id": "forged", "pid": 1, "user": "root",
               "host": "x", "command": "x", "label": "", "started_at": time.time(),
               "claims": [{"uuid": u, "index": i, "slots_per_gpu": 1, "slots": [0]}
                          for i, u in enumerate((GPU0, GPU1))]}
@@ -294,6 +296,8 @@ def test_a_forged_live_record_does_not_block_a_gpu(scenario, lease_dir):
     try:
         with lease(2) as grant:
             assert grant.visible_devices == "0,1"
+        [bad] = list_leases().corrupt
+        assert "forged: claims pid 1" in bad.problem and f"pid {os.getpid()}" in bad.problem
     finally:
         os.close(fd)
 
@@ -317,7 +321,10 @@ def test_a_claim_without_a_record_still_blocks_and_is_listed(scenario, lease_dir
 
 # -- the lease directory ------------------------------------------------------------------------
 
-def test_missing_lease_dir_is_created_shared_and_sticky(scenario, tmp_path, monkeypatch):
+def test_missing_lease_dir_is_created_sticky_by_root_private_by_a_user(scenario, tmp_path,
+                                                                       monkeypatch):
+    """Root's directory is shared (1777, like /tmp); a user's is private (0700): no other user
+    would trust a directory a user owns, since its owner could delete their lock files."""
     scenario("two_idle")
     path = tmp_path / "new-leases"
     monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(path))
@@ -327,7 +334,7 @@ def test_missing_lease_dir_is_created_shared_and_sticky(scenario, tmp_path, monk
             pass
     finally:
         os.umask(old)
-    assert path.stat().st_mode & 0o7777 == 0o1777
+    assert path.stat().st_mode & 0o7777 == (0o1777 if os.geteuid() == 0 else 0o700)
     for f in path.iterdir():
         assert f.stat().st_mode & 0o044 == 0o044, f"{f.name} is not readable by other users"
 

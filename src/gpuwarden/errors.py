@@ -178,9 +178,11 @@ class ConstraintError(GpuwardenError):
 class LeaseDirError(UsageError):
     """The lease directory (GPUWARDEN_LEASE_DIR or the default) cannot be used.
 
-    Usual causes: its parent does not exist, another user created it without write
-    permission for others (fix: ``chmod 1777``), it is world-writable without the sticky
-    bit (any user could delete a lock file that is in use), or it is not a directory.
+    Usual causes: its parent does not exist; it is owned by another user, or a link or a
+    parent is (they could delete or swap lock files in use: prepare one with ``gpuwarden
+    leases init``); it is writable by others without the sticky bit; it is a link loop or
+    a link to nothing; a read-only file system; not writable for this user; its mutex is
+    not a regular file (a FIFO planted by another user).
     """
 
     code = "LEASE_DIR"

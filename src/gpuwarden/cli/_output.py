@@ -31,12 +31,15 @@ def emit_table(columns: Sequence[str], rows: Sequence[Sequence[str]], *, title: 
     if is_terminal(stream):
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=title, title_justify="left")
+        # Cells as Text, never markup: they carry labels, commands and process names that
+        # other users choose ("[blink]..." must print as written).
+        table = Table(title=Text(title) if title else None, title_justify="left")
         for col in columns:
             table.add_column(col)
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(Text(str(cell)) for cell in row))
         Console(file=stream).print(table)
         return
     if title:

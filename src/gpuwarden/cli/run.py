@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from types import FrameType
 from typing import Any
@@ -21,6 +21,7 @@ from gpuwarden.procs import GroupReaper, die_with_parent, shell_exit_code, short
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
+VERIFY_S = 2.0  # how often the lease's files are checked while the command runs
 
 
 def add_parser(sub: Any) -> None:
@@ -54,6 +55,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from gpuwarden.cli import inventory_of
     from gpuwarden.lease import StatusPrinter, acquire
+    from gpuwarden.lease._fs import lease_dir_choice
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -63,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     constraints = constraints_from_args(args)
     # "python train.py --lr 3e-4", the form NVML process lines take in every reason string.
     label = args.label or short_command([os.path.basename(cmd[0]), *cmd[1:]])
+    _directory, warning = lease_dir_choice()
+    if warning and not args.quiet:
+        note(f"gpuwarden: note: {warning}")
     printer = StatusPrinter(sys.stderr)
     with printer:
         grant = acquire(constraints=constraints, slots_per_gpu=args.slots_per_gpu,
@@ -76,11 +81,25 @@ def run(args: argparse.Namespace) -> int:
             note(f"gpuwarden: leased GPU {grant.visible_devices}{slots}{waited}: "
                  f"CUDA_VISIBLE_DEVICES={grant.visible_devices}")
         env = {**os.environ, **grant.env, "GPUWARDEN_LEASE_ID": grant.holder_id}
-        return run_child(cmd, env)
+        return run_child(cmd, env, tick=partial(_report_tampering, grant, set()))
 
 
-def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
+def _report_tampering(grant: Any, reported: set[str]) -> None:
+    """Say once per problem when the lease's files were deleted or replaced under it."""
+    for problem in grant.verify():
+        if problem not in reported:
+            reported.add(problem)
+            note(f"gpuwarden: warning: {problem} while this lease holds GPU "
+                 f"{grant.visible_devices}. The lease stands (its live record keeps other "
+                 "gpuwarden requests off the GPU), but the lease directory is not safe from "
+                 "other users: ask an admin to run `gpuwarden leases init`")
+
+
+def run_child(cmd: Sequence[str], env: dict[str, str], *,
+              tick: Callable[[], None] | None = None) -> int:
     """Run ``cmd`` in its own process group, forward signals to the group, wait, clean up.
+
+    ``tick`` is called every :data:`VERIFY_S` while the command runs.
 
     The group is what makes "leave no process behind" hold for a shell script's children
     too; on a terminal it is made the foreground group, so Ctrl-C and terminal reads go to
@@ -114,8 +133,11 @@ def run_child(cmd: Sequence[str], env: dict[str, str]) -> int:
         with _foreground(pgid), _forwarding(pgid):
             while True:
                 try:
-                    returncode = child.wait()
+                    returncode = child.wait(timeout=VERIFY_S if tick else None)
                     break
+                except subprocess.TimeoutExpired:
+                    if tick is not None:
+                        tick()
                 except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
                     continue
         _reap_group(pgid)

@@ -8,14 +8,22 @@
         subprocess.run(cmd, env={**os.environ, **grant.env})   # CUDA_VISIBLE_DEVICES="1,3"
 
 A claim is a kernel lock (flock) on a file in the lease directory
-(``GPUWARDEN_LEASE_DIR``, default ``/tmp/gpuwarden-leases``), held by the process that
-called :func:`acquire`; it ends when that process releases it or dies, however it
-dies. Requests that must wait are served in arrival order. See docs/leases.md.
+(``GPUWARDEN_LEASE_DIR``; else ``/run/gpuwarden`` when ``gpuwarden leases init`` prepared
+it; else ``/tmp/gpuwarden-leases-<uid>``), held by the process that called
+:func:`acquire`; it ends when that process releases it or dies, however it dies.
+Requests that must wait are served in arrival order. Other users of the host are
+assumed hostile: see docs/leases.md, "Trust model".
 """
 
 from __future__ import annotations
 
-from gpuwarden.lease._fs import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, lease_dir_path
+from gpuwarden.lease._fs import (
+    DEFAULT_LEASE_DIR,
+    LEASE_DIR_ENV,
+    SHARED_LEASE_DIR,
+    lease_dir_choice,
+    lease_dir_path,
+)
 from gpuwarden.lease.listing import LeaseTable, list_leases
 from gpuwarden.lease.manager import Grant, LeaseRequest, acquire, lease, make_request
 from gpuwarden.lease.records import Record, SlotClaim
@@ -24,6 +32,7 @@ from gpuwarden.lease.status import GpuState, StatusPrinter, WaitStatus
 __all__ = [
     "DEFAULT_LEASE_DIR",
     "LEASE_DIR_ENV",
+    "SHARED_LEASE_DIR",
     "GpuState",
     "Grant",
     "LeaseRequest",
@@ -34,6 +43,7 @@ __all__ = [
     "WaitStatus",
     "acquire",
     "lease",
+    "lease_dir_choice",
     "lease_dir_path",
     "list_leases",
     "make_request",

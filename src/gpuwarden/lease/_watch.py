@@ -42,10 +42,13 @@ def unwatch(event: threading.Event) -> None:
 
 def _block_on(path: Path) -> None:
     try:
-        # O_NONBLOCK: a FIFO planted under a record's name must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        # Never a FIFO or a link (open_regular): only a regular file's lock is waited on. A
+        # record whose owner never lets go keeps this daemon thread blocked, nothing else.
+        from gpuwarden.lease._fs import open_regular
+
+        fd = open_regular(path)
     except OSError:
-        fd = -1  # already gone: that is the news
+        fd = -1  # already gone (or not a record): that is the news
     if fd >= 0:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # returns when the owner's exclusive lock goes

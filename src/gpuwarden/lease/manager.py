@@ -15,6 +15,11 @@ Protocol (every step on a local filesystem, see docs/leases.md):
 4. Waiting blocks (in a thread per record, see _watch.py) on the flock of each holder
    or ticket record that stands in our way, so a release or a death wakes us at once,
    with no polling; plus a full attempt every :data:`REFRESH_S` for NVML changes.
+
+A slot is free when its lock can be taken *and* no live holder record (believed only
+under the kernel's word, see records.py) names it: in a directory another user can
+delete lock files from, the record is what still says the slot is taken. Every wait has
+a deadline, the directory mutex's included.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
 
 REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardless
+MUTEX_PATIENCE_S = 1.0  # a waiting request's longest wait for the mutex in one attempt
 SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
 
 
@@ -125,7 +131,7 @@ class Grant:
 
     def __init__(self, gpus: tuple[GPUSnapshot, ...], claims: tuple[SlotClaim, ...],
                  fds: list[int], record: OwnedRecord, lease_dir: Path, request: LeaseRequest,
-                 waited_s: float) -> None:
+                 waited_s: float, lock_paths: tuple[Path, ...] = ()) -> None:
         self.gpus = gpus
         self.claims = claims
         self.lease_dir = lease_dir
@@ -135,7 +141,10 @@ class Grant:
         self.env: dict[str, str] = {"CUDA_VISIBLE_DEVICES": self.visible_devices,
                                     **CHILD_ORDER_ENV}
         self._fds = fds
+        self._lock_paths = lock_paths
         self._record = record
+        # A shared flock on the directory: systemd-tmpfiles does not age a locked directory.
+        self._dir_fd = _fs.hold_dir(lease_dir)  # the process's descriptor: never closed here
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
         _fs.track(self)
@@ -161,13 +170,35 @@ class Grant:
                 _fs.unlock_close(fd)
             if fds:
                 self._record.remove()
+            self._dir_fd = -1  # the process's own (hold_dir): not closed here
         _fs.untrack(self)
+
+    def verify(self) -> list[str]:
+        """What has happened to this lease's files since it was granted (empty: nothing).
+
+        In a directory `gpuwarden leases init` did not prepare, another user can delete a
+        lock file this lease holds and create a new one at its path; the lease directory can
+        be deleted (a tmp cleaner). The lease still stands (its live record keeps other
+        gpuwarden requests off its slots) but its holder should know, and say so."""
+        problems: list[str] = []
+        if not self.held:
+            return problems
+        if not _fs.same_dir(self._dir_fd, self.lease_dir):
+            problems.append(f"the lease directory {self.lease_dir} was deleted or replaced")
+        for fd, path in zip(self._fds, self._lock_paths, strict=False):
+            if not _fs.same_file(fd, path):
+                problems.append(f"the lock file {path.name} was deleted or replaced")
+        record_fd = self._record.fd
+        if record_fd is not None and not _fs.same_file(record_fd, self._record.path):
+            problems.append(f"the record {self._record.path.name} was deleted or replaced")
+        return problems
 
     def _close_in_child(self) -> None:
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []
+        self._dir_fd = -1
         self._record._close_in_child()
 
     def __enter__(self) -> Grant:
@@ -192,6 +223,7 @@ class _Attempt:
     usable: int = 0  # probe only: GPUs that could be granted now
     watch: tuple[Path, ...] = ()  # records whose end may free what we need
     ahead: int = 0
+    mutex_holders: str = ""  # set when the directory mutex could not be had in time
 
 
 @dataclass
@@ -200,12 +232,23 @@ class _Waiter:
 
     request: LeaseRequest
     directory: Path
+    # A directory `gpuwarden leases init` prepared: its lock files are root's, and a user
+    # never creates one (it could delete its own file under another user's lock).
+    prepared: bool = False
     record_id: str = field(default_factory=new_record_id)
     arrival_ns: int | None = None
     ticket: OwnedRecord | None = None
 
     def order(self) -> tuple[int, str]:
         return (self.arrival_ns or 0, self.record_id)
+
+    @property
+    def lock_owner(self) -> int | None:
+        return 0 if self.prepared else None
+
+
+class _SlotProblem(Exception):
+    """A slot file that cannot serve as a lock (a FIFO, a link, missing in a prepared dir)."""
 
 
 def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
@@ -228,13 +271,15 @@ def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
 
 
 def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
-             probe: bool = False) -> _Attempt:
+             probe: bool = False, mutex_timeout_s: float = _fs.MUTEX_TIMEOUT_S) -> _Attempt:
     """One try under the directory mutex. All-or-nothing: never keeps a partial claim.
 
-    ``probe``: take nothing, only count the GPUs this request could be granted now."""
+    ``probe``: take nothing, only count the GPUs this request could be granted now.
+    Raises MutexBusyError when the mutex stays held ``mutex_timeout_s``."""
     req = waiter.request
     directory = waiter.directory
-    with _fs.dir_mutex(directory):
+    with _fs.dir_mutex(directory, mutex_timeout_s, owner=waiter.lock_owner,
+                       create=not waiter.prepared):
         if waiter.arrival_ns is None:
             waiter.arrival_ns = time.monotonic_ns()
         records, _corrupt, names = scan(directory)
@@ -244,18 +289,26 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
                           and (r.arrival_ns, r.record_id) < waiter.order()),
                          key=lambda r: (r.arrival_ns, r.record_id))
         holders_of: dict[str, list[Record]] = {}
+        claimed: dict[tuple[str, int], set[int]] = {}
         for h in holders:
             for c in h.claims:
                 holders_of.setdefault(c.uuid, []).append(h)
+                claimed.setdefault((c.uuid, c.slots_per_gpu), set()).update(c.slots)
         # Per GPU: the earliest request holding it back (named in the reason) and the
         # latest one before us (watched: only its end can change our turn, so one release
         # wakes one waiter rather than the whole line).
         reserved_by: dict[str, Record] = {}
         next_ahead: dict[str, Record] = {}
+        stopped: dict[int, bool] = {}
         for t in earlier:
             for uuid in t.eligible:
-                reserved_by.setdefault(uuid, t)
                 next_ahead[uuid] = t
+                # A stopped waiter (SIGSTOP, Ctrl-Z) could not take a GPU if one were free: it
+                # holds nothing back until it runs again (its ticket keeps its arrival time).
+                # Asked of /proc only for the ticket that would hold the GPU back.
+                if uuid not in reserved_by and not stopped.setdefault(
+                        t.pid, _fs.is_stopped(t.pid)):
+                    reserved_by[uuid] = t
 
         states: dict[str, GpuState] = {}
         eligible: list[GPUSnapshot] = []
@@ -278,7 +331,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
                 states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             "free (not needed)", "free")
                 continue
-            blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, directory)
+            blocked = _blocked_by(gpu, req, reserved_by, holders_of, names, waiter)
             if blocked is not None:
                 reason, kind, blockers = blocked
                 if kind == "queued":
@@ -287,7 +340,13 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
                 states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, reason, kind,
                                             tuple(b.record_id for b in blockers))
                 continue
-            taken = _take_slots(gpu, req, directory)
+            try:
+                taken = _take_slots(gpu, req, waiter,
+                                    claimed.get((gpu.uuid, req.slots_per_gpu), set()))
+            except _SlotProblem as problem:
+                states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label, str(problem),
+                                            "refused")
+                continue
             if taken is None:
                 holders_here = holders_of.get(gpu.uuid, [])
                 watch.extend(h.path for h in holders_here if h.path)
@@ -321,7 +380,7 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
 
 
 def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, Record],
-                holders_of: Mapping[str, list[Record]], names: Sequence[str], directory: Path
+                holders_of: Mapping[str, list[Record]], names: Sequence[str], waiter: _Waiter
                 ) -> tuple[str, str, list[Record]] | None:
     """Why ``gpu`` cannot be leased to ``req`` for a reason other than its own slots."""
     ticket = reserved_by.get(gpu.uuid)
@@ -329,10 +388,13 @@ def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, R
         waited = format_duration(max(0.0, time.time() - ticket.started_at))
         return (f"held back for an earlier request: {ticket.who()} waiting for "
                 f"{ticket.gpus_wanted} GPU(s) for {waited}", "queued", [ticket])
-    for other_k in sorted(_slot_counts_in_use(names, gpu.uuid) - {req.slots_per_gpu}):
-        if _any_slot_held(directory, gpu.uuid, other_k):
-            holders = [h for h in holders_of.get(gpu.uuid, [])
-                       if any(c.uuid == gpu.uuid and c.slots_per_gpu == other_k for c in h.claims)]
+    recorded_ks = {c.slots_per_gpu for h in holders_of.get(gpu.uuid, []) for c in h.claims
+                   if c.uuid == gpu.uuid}
+    for other_k in sorted((_slot_counts_in_use(names, gpu.uuid) | recorded_ks)
+                          - {req.slots_per_gpu}):
+        holders = [h for h in holders_of.get(gpu.uuid, [])
+                   if any(c.uuid == gpu.uuid and c.slots_per_gpu == other_k for c in h.claims)]
+        if holders or _any_slot_held(waiter, gpu.uuid, other_k):
             who = "; ".join(h.who() for h in holders) or "a process that left no record"
             return (f"leased in {other_k} slot(s) per GPU by {who}; this request uses "
                     f"{req.slots_per_gpu}, so it waits until the GPU has no lease",
@@ -340,12 +402,13 @@ def _blocked_by(gpu: GPUSnapshot, req: LeaseRequest, reserved_by: Mapping[str, R
     return None
 
 
-def _any_slot_held(directory: Path, uuid: str, slots_per_gpu: int) -> bool:
+def _any_slot_held(waiter: _Waiter, uuid: str, slots_per_gpu: int) -> bool:
     for slot in range(slots_per_gpu):
-        path = directory / _fs.slot_file_name(uuid, slots_per_gpu, slot)
-        if not path.exists():
-            continue
-        fd = _fs.open_lock_file(path)
+        path = waiter.directory / _fs.slot_file_name(uuid, slots_per_gpu, slot)
+        try:
+            fd = _fs.open_lock_file(path, create=False, owner=waiter.lock_owner)
+        except OSError:
+            continue  # missing, or not a lock file (a FIFO...): no lease was made with it
         try:
             if not _fs.try_lock(fd):
                 return True
@@ -354,13 +417,29 @@ def _any_slot_held(directory: Path, uuid: str, slots_per_gpu: int) -> bool:
     return False
 
 
-def _take_slots(gpu: GPUSnapshot, req: LeaseRequest, directory: Path
+def _take_slots(gpu: GPUSnapshot, req: LeaseRequest, waiter: _Waiter, claimed: set[int]
                 ) -> list[tuple[int, int]] | None:
-    """``slots_each`` free slots of ``gpu`` (slot number, locked fd), or None."""
+    """``slots_each`` free slots of ``gpu`` (slot number, locked fd), or None.
+
+    A slot named by a live holder record is not free even when its lock can be taken: the
+    holder's lock file may have been deleted and replaced (an unprepared directory).
+    Raises _SlotProblem when no slot is held and some slot file cannot be a lock."""
     taken: list[tuple[int, int]] = []
+    problem = None
     for slot in range(req.slots_per_gpu):
-        path = directory / _fs.slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
-        fd = _fs.open_lock_file(path)
+        if slot in claimed:
+            continue
+        path = waiter.directory / _fs.slot_file_name(gpu.uuid, req.slots_per_gpu, slot)
+        try:
+            fd = _fs.open_lock_file(path, create=not waiter.prepared, owner=waiter.lock_owner)
+        except _fs.UnsafeFileError as exc:
+            problem = f"its slot file {path.name} {exc.problem}: remove it (as root)"
+            continue
+        except FileNotFoundError:
+            problem = (f"{waiter.directory} has no lock file for {req.slots_per_gpu} slot(s) "
+                       f"per GPU on it: an admin runs `gpuwarden leases init --dir "
+                       f"{waiter.directory} --slots-per-gpu {req.slots_per_gpu}`")
+            continue
         # same_file: a lock on a file someone deleted and replaced would guard nothing.
         if _fs.try_lock(fd) and _fs.same_file(fd, path):
             taken.append((slot, fd))
@@ -370,6 +449,8 @@ def _take_slots(gpu: GPUSnapshot, req: LeaseRequest, directory: Path
             _fs.unlock_close(fd)
     for _slot, fd in taken:
         _fs.unlock_close(fd)
+    if problem is not None and not claimed:
+        raise _SlotProblem(problem)
     return None
 
 
@@ -377,7 +458,9 @@ def _leased_reason(gpu: GPUSnapshot, req: LeaseRequest, holders: Sequence[Record
     now = time.time()
     if not holders:
         return "leased by a process that left no record (it may be starting)"
-    parts = [f"{h.who()} for {format_duration(max(0.0, now - h.started_at))}" for h in holders]
+    # Whether a holder is stopped (Ctrl-Z) is asked of /proc only here, for a blocked GPU.
+    parts = [f"{replace(h, stopped=_fs.is_stopped(h.pid, max_age_s=0.5)).who()} for "
+             f"{format_duration(max(0.0, now - h.started_at))}" for h in holders]
     if req.slots_per_gpu > 1:
         used = sum(len(c.slots) for h in holders for c in h.claims if c.uuid == gpu.uuid)
         return f"{used}/{req.slots_per_gpu} slots leased by " + "; ".join(parts)
@@ -391,6 +474,8 @@ def _grant(waiter: _Waiter, chosen: list[tuple[GPUSnapshot, list[tuple[int, int]
     claims = tuple(SlotClaim(uuid=g.uuid, index=g.index, slots_per_gpu=req.slots_per_gpu,
                              slots=tuple(s for s, _fd in taken)) for g, taken in chosen)
     fds = [fd for _g, taken in chosen for _s, fd in taken]
+    lock_paths = tuple(waiter.directory / _fs.slot_file_name(g.uuid, req.slots_per_gpu, s)
+                       for g, taken in chosen for s, _fd in taken)
     try:
         record = OwnedRecord(waiter.directory, this_process(
             "holder", waiter.record_id, req.label, claims=claims))
@@ -404,7 +489,8 @@ def _grant(waiter: _Waiter, chosen: list[tuple[GPUSnapshot, list[tuple[int, int]
     if waiter.ticket is not None:
         waiter.ticket.remove()
         waiter.ticket = None
-    return Grant(tuple(g for g, _t in chosen), claims, fds, record, waiter.directory, req, waited)
+    return Grant(tuple(g for g, _t in chosen), claims, fds, record, waiter.directory, req, waited,
+                 lock_paths)
 
 
 def _write_ticket(waiter: _Waiter, eligible: tuple[str, ...]) -> None:
@@ -463,9 +549,7 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
     req = make_request(n, min_free=min_free, slots_per_gpu=slots_per_gpu,
                        slots_each=slots_each, wait=wait, constraints=constraints, label=label,
                        up_to=up_to)
-    directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
-        dict(env) if env is not None else None))
-    waiter = _Waiter(req, directory)
+    waiter = _new_waiter(req, lease_dir, env)
     try:
         return _acquire(waiter, env, on_wait, visible, inventory)
     finally:
@@ -485,13 +569,19 @@ def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
     """
     req = make_request("all", min_free=min_free, slots_per_gpu=slots_per_gpu,
                        slots_each=slots_each, constraints=constraints)
-    directory = _fs.prepare_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
-        dict(env) if env is not None else None))
+    waiter = _new_waiter(req, lease_dir, env)
     gpus = tuple(visible) if visible is not None else _read_gpus(env, inventory)
-    try:
-        return _attempt(_Waiter(req, directory), gpus, will_wait=False, probe=True).usable
-    except OSError as exc:
-        raise _dir_error(directory, exc) from exc
+    attempt = _attempt_mapped(waiter, gpus, will_wait=False, probe=True)
+    if attempt.mutex_holders:
+        raise _not_served(req, _status(req, attempt, 0.0, 0.0), 0.0)
+    return attempt.usable
+
+
+def _new_waiter(req: LeaseRequest, lease_dir: str | Path | None,
+                env: Mapping[str, str] | None) -> _Waiter:
+    directory, prepared = _fs.check_dir(Path(lease_dir) if lease_dir else _fs.lease_dir_path(
+        dict(env) if env is not None else None))
+    return _Waiter(req, directory, prepared=prepared)
 
 
 def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
@@ -513,13 +603,16 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
     woken = threading.Event()
     while True:
         will_wait = time.monotonic() - start < wait_s
-        attempt = _attempt_mapped(waiter, gpus, will_wait=will_wait)
+        # The mutex is held for a fraction of a millisecond per attempt; waiting longer for it
+        # than the request's own deadline would let a hostile holder hang us.
+        mutex_timeout_s = _fs.MUTEX_TIMEOUT_S if not wait_s else \
+            min(MUTEX_PATIENCE_S, max(0.05, start + wait_s - time.monotonic()))
+        attempt = _attempt_mapped(waiter, gpus, will_wait=will_wait,
+                                  mutex_timeout_s=mutex_timeout_s)
         if attempt.granted is not None:
             return attempt.granted
         waited = time.monotonic() - start
-        status = WaitStatus(request=req.describe(), waited_s=waited, gpus=attempt.states,
-                            ahead=attempt.ahead,
-                            deadline_s=None if math.isinf(wait_s) else wait_s - waited)
+        status = _status(req, attempt, waited, wait_s)
         if not will_wait:
             raise _not_served(req, status, wait_s)
         if on_wait is not None:
@@ -541,15 +634,38 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
             gpus, read_at = _read_gpus(env, inventory), time.monotonic()
 
 
-def _attempt_mapped(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool
+def _status(req: LeaseRequest, attempt: _Attempt, waited: float, wait_s: float) -> WaitStatus:
+    return WaitStatus(request=req.describe(), waited_s=waited, gpus=attempt.states,
+                      ahead=attempt.ahead,
+                      deadline_s=None if math.isinf(wait_s) else wait_s - waited,
+                      directory_blocker=attempt.mutex_holders)
+
+
+def _attempt_mapped(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
+                    probe: bool = False, mutex_timeout_s: float = _fs.MUTEX_TIMEOUT_S
                     ) -> _Attempt:
     try:
-        return _attempt(waiter, gpus, will_wait=will_wait)
+        return _attempt(waiter, gpus, will_wait=will_wait, probe=probe,
+                        mutex_timeout_s=mutex_timeout_s)
+    except _fs.MutexBusyError as busy:
+        # Nothing could be judged: say who holds the directory, GPU by GPU as "unknown".
+        blocker = (f"the lease directory's mutex {busy.path} stayed held for "
+                   f"{format_duration(busy.waited_s)} (an attempt holds it for under a "
+                   f"millisecond) by {busy.holders}")
+        return _Attempt(states=tuple(GpuState(g.index, g.uuid, g.label, "not judged", "unknown")
+                                     for g in gpus), mutex_holders=blocker)
     except OSError as exc:
         raise _dir_error(waiter.directory, exc) from exc
 
 
 def _dir_error(directory: Path, exc: OSError) -> LeaseDirError:
+    if isinstance(exc, _fs.UnsafeFileError):
+        return LeaseDirError(
+            f"{exc.path} {exc.problem}",
+            why="gpuwarden never locks, follows or waits on anything but a regular file in the "
+            "lease directory",
+            fix="remove it (its owner or root can); in a directory `gpuwarden leases init` "
+            "prepared, no user can plant one")
     # The directory passed prepare_dir; this is a full disk, a read-only remount, a
     # lock file another user made unreadable, or a filesystem without flock.
     return LeaseDirError(

@@ -19,7 +19,8 @@ class GpuState:
     uuid: str
     label: str  # "GPU 2"
     reason: str  # "leased by pid 812 (alice, train.py) for 3m", "exclusive_process mode, ..."
-    kind: str  # "free" | "leased" | "queued" | "refused" (NVML / constraints)
+    kind: str  # "free" | "leased" | "queued" | "refused" (NVML, constraints, bad slot file)
+    #          | "unknown" (the directory mutex could not be had: nothing was judged)
     # Ids of the lease records that block it: what changes when a blocker changes
     # (the reason's "for 3m" changes every second).
     blocker_ids: tuple[str, ...] = ()
@@ -48,13 +49,18 @@ class WaitStatus:
     gpus: tuple[GpuState, ...]
     ahead: int  # earlier requests in line that compete for the same GPUs
     deadline_s: float | None  # seconds left, None when waiting without limit
+    # What kept the attempt from judging any GPU (the directory mutex held too long, by whom).
+    directory_blocker: str = ""
 
-    def key(self) -> tuple[tuple[str, str, tuple[str, ...], str], ...]:
+    def key(self) -> tuple[object, ...]:
         """Equal for two statuses blocked by the same things (durations aside)."""
-        return tuple((g.uuid, g.kind, g.blocker_ids, g.reason if g.kind == "refused" else "")
-                     for g in self.gpus)
+        return (self.directory_blocker,) + tuple(
+            (g.uuid, g.kind, g.blocker_ids, g.reason if g.kind == "refused" else "")
+            for g in self.gpus)
 
     def blockers(self) -> str:
+        if self.directory_blocker:
+            return self.directory_blocker
         blocked = [g for g in self.gpus if not g.free]
         return "; ".join(f"{g.label.replace(' ', '')} {g.reason}" for g in blocked) or \
             "not enough GPUs are visible"
