@@ -162,8 +162,22 @@ class StreamRelay:
         self._pending = bytearray()  # the unfinished line, at most MAX_LINE_BYTES
 
     def feed(self, data: bytes) -> None:
-        if not data:
-            return
+        # Slices of at most MAX_LINE_BYTES: a whole line inside one slice is then shorter than
+        # the bound, and only the line that continues the pending one can be longer.
+        for start in range(0, len(data), MAX_LINE_BYTES):
+            self._feed(data[start:start + MAX_LINE_BYTES])
+
+    def _feed(self, data: bytes) -> None:
+        first = data.find(b"\n")
+        if self._pending and len(self._pending) + (first if first >= 0 else len(data)) >= MAX_LINE_BYTES:
+            # The pending line grows past the bound: pass it on in pieces up to its end.
+            self._pending += data if first < 0 else data[:first]
+            self._cut_long_line()
+            if first < 0:
+                return
+            self._lines(bytes(self._pending) + b"\n")
+            self._pending.clear()
+            data = data[first + 1:]
         last = data.rfind(b"\n")
         if last < 0:
             self._pending += data
