@@ -401,3 +401,42 @@ def test_head_1_ends_the_job_without_a_traceback(tmp_path: Path) -> None:
     assert done.stdout.startswith("[rank") and done.stdout.count("\n") == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert "status=0" in done.stderr
+
+
+# What docs/launch.md lists as the remaining differences from torchrun's environment, each with
+# its reason; anything else that differs is a regression.
+DOCUMENTED_ENV_DIFFERENCES = {"TORCHELASTIC_USE_AGENT_STORE", "CUDA_DEVICE_ORDER",
+                              "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_gets_torchruns_environment_and_argv(tmp_path: Path) -> None:
+    """The same script under `torchrun --standalone` and `gpuwarden launch --standalone`, from
+    the same environment: every variable equal but the documented ones (and gpuwarden's own)."""
+    script = tmp_path / "dump.py"
+    script.write_text("import json, os, sys\n"
+                      "print('DUMP ' + json.dumps({'argv': sys.argv, 'env': dict(os.environ)}))\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    base["GPUWARDEN_SIMULATE"] = str(SCENARIOS / "nogpu.json")
+
+    def dumps(cmd: list[str]) -> dict[int, dict[str, object]]:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=base, cwd=tmp_path,
+                              timeout=90)
+        assert done.returncode == 0, done.stderr
+        got = [json.loads(line.split("DUMP ", 1)[1]) for line in done.stdout.splitlines()
+               if "DUMP " in line]
+        return {int(d["env"]["RANK"]): d for d in got}
+
+    args = ["--standalone", "--nproc-per-node", "2", str(script), "a", "--b"]
+    theirs = dumps([str(Path(sys.executable).parent / "torchrun"), *args])
+    ours = dumps([GPUWARDEN, "launch", *args])
+    assert sorted(theirs) == sorted(ours) == [0, 1]
+    for rank in (0, 1):
+        assert ours[rank]["argv"] == theirs[rank]["argv"]
+        te, ge = theirs[rank]["env"], ours[rank]["env"]
+        assert isinstance(te, dict) and isinstance(ge, dict)
+        differing = {k for k in set(te) | set(ge) if te.get(k) != ge.get(k)}
+        differing = {k for k in differing if not k.startswith("GPUWARDEN_")}
+        assert differing <= DOCUMENTED_ENV_DIFFERENCES, differing - DOCUMENTED_ENV_DIFFERENCES
+        assert ge["MASTER_ADDR"] == te["MASTER_ADDR"] and ge["LOCAL_RANK"] == te["LOCAL_RANK"]
+        assert str(ge["TORCHELASTIC_ERROR_FILE"]).endswith(f"attempt_0/{rank}/error.json")
