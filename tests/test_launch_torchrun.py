@@ -148,6 +148,21 @@ def test_relay_prefixes_lines_whatever_the_chunks() -> None:
         b"[rank1]: one\n[rank1]: two\n[rank1]: \n[rank1]: three-without-newline\n")
 
 
+def test_relay_shows_a_progress_bar_as_it_moves() -> None:
+    """tqdm writes '\\r' + the bar on every update and a newline only at the end: each state
+    reaches the console at once (prefixed, ending in '\\r'); the file gets the bytes as they were."""
+    console, file = io.BytesIO(), io.BytesIO()
+    relay = StreamRelay(b"[rank0]: ", _console(console), file)
+    relay.feed(b"\r 10%|#")
+    assert console.getvalue() == b"[rank0]: \r"
+    relay.feed(b"\r 20%|##")
+    assert console.getvalue() == b"[rank0]: \r[rank0]:  10%|#\r"
+    relay.feed(b"\r100%|###\nnext\n")
+    relay.finish()
+    assert console.getvalue().endswith(b"[rank0]:  20%|##\r[rank0]: 100%|###\n[rank0]: next\n")
+    assert file.getvalue() == b"\r 10%|#\r 20%|##\r100%|###\nnext\n"
+
+
 def test_relay_cuts_long_lines_keeps_files_exact_and_a_tail() -> None:
     import collections
 

@@ -165,7 +165,24 @@ class StreamRelay:
         # Slices of at most MAX_LINE_BYTES: a whole line inside one slice is then shorter than
         # the bound, and only the line that continues the pending one can be longer.
         for start in range(0, len(data), MAX_LINE_BYTES):
-            self._feed(data[start:start + MAX_LINE_BYTES])
+            piece = data[start:start + MAX_LINE_BYTES]
+            self._feed(piece)
+            if b"\r" in piece and self._pending:
+                self._redraws()
+
+    def _redraws(self) -> None:
+        """A progress bar (tqdm) redraws its line after each carriage return and ends it only
+        when done: pass on what precedes the last ``\r`` now, each state prefixed and ending
+        in ``\r``, so a terminal shows the bar as it moves (not once it reaches 64 KiB)."""
+        cut = self._pending.rfind(b"\r")
+        if cut < 0:
+            return
+        done = bytes(self._pending[: cut + 1])
+        del self._pending[: cut + 1]
+        if self.file is not None:
+            self.file.write(done)
+        if self.console is not None:
+            self.console.write(self.prefix + done[:-1].replace(b"\r", b"\r" + self.prefix) + b"\r")
 
     def _feed(self, data: bytes) -> None:
         first = data.find(b"\n")
@@ -225,6 +242,8 @@ class StreamRelay:
         if self.console is not None:
             if self.prefix:
                 body = block[:-1].replace(b"\n", self._newline_prefix)
+                if b"\r" in body:  # a redrawn line keeps its prefix on a terminal
+                    body = body.replace(b"\r", b"\r" + self.prefix)
                 self.console.write(self.prefix + body + b"\n")
             else:
                 self.console.write(block)
