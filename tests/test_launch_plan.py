@@ -129,6 +129,18 @@ def test_gpus_all_takes_every_usable_gpu(scenario) -> None:  # type: ignore[no-u
     assert [g.index for g in taken_gpus(cfg(gpus="all"))] == [1]
 
 
+def test_nproc_per_node_auto_is_one_rank_per_usable_gpu_else_per_core(scenario) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    scenario("two_gpu")
+    config = cfg(nproc_auto=True)
+    gpus = taken_gpus(config)
+    assert len(plan_for(config, gpus).ranks) == 2 == len(gpus)
+    scenario("nogpu")
+    assert taken_gpus(config) == ()
+    assert len(plan_for(config).ranks) == len(os.sched_getaffinity(0))
+
+
 def test_no_gpu_host_runs_on_cpu_unless_gpus_were_required(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("nogpu")
     assert taken_gpus(cfg(nproc=2)) == ()

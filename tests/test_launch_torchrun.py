@@ -430,7 +430,9 @@ def test_a_rank_gets_torchruns_environment_and_argv(tmp_path: Path) -> None:
     the same environment: every variable equal but the documented ones (and gpuwarden's own)."""
     script = tmp_path / "dump.py"
     script.write_text("import json, os, sys\n"
-                      "print('DUMP ' + json.dumps({'argv': sys.argv, 'env': dict(os.environ)}))\n")
+                      "d = os.path.dirname(os.environ['TORCHELASTIC_ERROR_FILE'])\n"
+                      "print('DUMP ' + json.dumps({'argv': sys.argv, 'env': dict(os.environ),\n"
+                      "                            'error_dir': os.path.isdir(d)}))\n")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     base["GPUWARDEN_SIMULATE"] = str(SCENARIOS / "nogpu.json")
 
@@ -448,6 +450,7 @@ def test_a_rank_gets_torchruns_environment_and_argv(tmp_path: Path) -> None:
     assert sorted(theirs) == sorted(ours) == [0, 1]
     for rank in (0, 1):
         assert ours[rank]["argv"] == theirs[rank]["argv"]
+        assert ours[rank]["error_dir"] and theirs[rank]["error_dir"]  # torch's @record needs it
         te, ge = theirs[rank]["env"], ours[rank]["env"]
         assert isinstance(te, dict) and isinstance(ge, dict)
         differing = {k for k in set(te) | set(ge) if te.get(k) != ge.get(k)}

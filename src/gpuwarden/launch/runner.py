@@ -52,6 +52,10 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
         plan = make_plan(config, taken.gpus, master_port=port, run_id=run_id, run_dir=work,
                          supervisor_pid=os.getpid(), python=sys.executable, base_env=os.environ,
                          log_run_dir=log_run_dir)
+        for spec in plan.ranks:
+            # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
+            # torchrun's agent creates attempt_0/<local rank>/ for every rank, so does this
+            os.makedirs(os.path.dirname(spec.env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
         if argv is not None:  # spawn(): every rank runs this command instead of the target
             plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
         notes = [*taken.notes, *plan.notes]
