@@ -258,7 +258,6 @@ class Supervisor:
             if r.exit is None and r.spec.rank not in self._failing:
                 self._signal_group(r, sig)
 
-
     def _check_placement(self) -> None:
         """Ranks crowding one GPU (a script without set_device): say so once, with the fix."""
         if self._placement is None:
@@ -535,7 +534,7 @@ class Supervisor:
             if self._interrupt is None:
                 self._interrupt = signal.Signals(signum).name
                 self._stop_signal = signal.Signals(signum)
-            elif self._stop_began is not None:
+            else:
                 self._hurry = True  # asked twice: the user will not wait out the grace
 
         def on_forward(signum: int, _frame: Any) -> None:
@@ -572,7 +571,8 @@ def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signal
     SIGUSR2 (Slurm's preemption notice, ``--signal=USR1@60``), and any other signal that
     --signals-to-handle names."""
     names = dict.fromkeys((*FORWARDED_SIGNALS, *signals_to_handle))
-    return tuple(getattr(signal, n) for n in names if n not in STOP_SIGNALS)
+    # SIGCHLD is the supervisor's own wake-up (its ranks' deaths), never a message for them
+    return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
 
 
 def main_thread_frames(dump: str, limit: int = 6) -> list[str]:
