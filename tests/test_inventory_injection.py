@@ -79,7 +79,8 @@ def test_launch_and_doctor_read_the_inventory_given_to_main(no_default_host: Non
     assert main(["launch", "-n", "2", "--min-free", "20GiB", SCRIPT], inventory=two) == 0
     out = capsys.readouterr().out
     envs = [json.loads(line.split("ENV ", 1)[1]) for line in out.splitlines() if "ENV " in line]
-    assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs) == ["0", "1"]
+    # torchrun's visibility: every rank sees the job's two GPUs of the injected host, in rank order.
+    assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs) == ["0,1", "0,1"]
     # The example host has one GPU free for two ranks: refused with its verdicts (exit 4).
     assert main(["launch", "-n", "2", SCRIPT], inventory=example()) == 4
     assert "GPU 2: refused: exclusive_process mode" in capsys.readouterr().err

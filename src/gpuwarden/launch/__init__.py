@@ -4,7 +4,9 @@
     preflight.py   the checks that touch the host before anything starts (GPUs, MASTER_PORT)
     plan.py        PURE: config + GPUs + port -> one RankSpec (argv, env, GPU) per rank
     status.py      the progress record a rank shares with the supervisor (an mmap'd file)
-    supervisor.py  the process context: start, poll, relay logs, detect stalls, stop, reap
+    supervisor.py  the process context: start, poll, detect stalls, pass signals on, stop, reap
+    relay.py       the output relay: [rankN]: prefixes, torchrun's log files, the report's tail
+    placement.py   PURE judgement: ranks whose CUDA context sits on another rank's GPU
     report.py      the one report: root-cause rank, its cause, the failure code
 
 Importing this package is cheap and never imports torch: the supervisor must start fast and
