@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -68,11 +69,30 @@ def test_joblib_test_parallel_passes_with_the_gpuwarden_backend(tmp_path: Path) 
     tail = out[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "failed" not in tail, tail
-    # Nothing of the run survives it: no pool worker, fork server or lease.
+    # Nothing of the run survives it: no pool worker, fork server or lease. (loky's workers,
+    # started by the nested-loop tests, notice that their parent has gone within seconds.)
+    deadline = time.monotonic() + 20
     leftovers = [p for p in psutil.process_iter(["environ"]) if _from_run(p, leases)]
-    assert not leftovers, leftovers
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leftovers = [p for p in leftovers if _still_running(p)]
+    assert not leftovers, [(p.pid, _cmdline(p)) for p in leftovers]
     assert not [p for p in leases.rglob("*") if p.is_file() and p.stat().st_size], \
         list(leases.rglob("*"))
+
+
+def _still_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _from_run(proc: psutil.Process, leases: Path) -> bool:
