@@ -99,8 +99,10 @@ def test_n_jobs_minus_one_reuses_warm_workers_that_nvml_lists(scenario, lease_di
             assert sum(len(p) for p in pids_by_gpu.values()) == 4
             # The warm workers now hold CUDA contexts, as they would after their first task.
             _two_gpus_running(host, pids_by_gpu)
+            assert Parallel()._effective_n_jobs() == 4  # its own 4 slots, not "GPUs busy"
             second = Parallel(batch_size=1)(delayed(where)(x) for x in range(20))
-        assert {pid for _, pid, _ in second} == {pid for _, pid, _ in first}
+        # The same warm workers (on a loaded box tiny tasks may not reach all four).
+        assert {pid for _, pid, _ in second} <= {pid for _, pid, _ in first}
     finally:
         shutdown_reusable_pool()
 
