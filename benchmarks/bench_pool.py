@@ -3,6 +3,9 @@
 Measured in one run, same number of workers for everyone:
   - per-task overhead: wall time / number of tiny tasks, warm workers (best of --repeat);
   - first-result latency: from creating the pool (cold) to the first result;
+  - a large array (--array-mb, 200 MB) given to each of 8 tasks, warm workers: wall time
+    and peak memory of the whole process tree (PSS, sampled every 20 ms: shared pages such
+    as a memory map count once; RSS summed over the processes for comparison);
   - cold start with torch: pool creation to the first result of a task that uses torch.
 
 Without a GPU the pool runs on a simulated 2-GPU host (tests/scenarios/two_gpu.json), so
@@ -16,8 +19,10 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,63 @@ def torch_task(x: int) -> float:
     return float(torch.ones(4).sum()) + x
 
 
+def array_sum(a: Any) -> float:
+    return float(a.sum())
+
+
+class TreeMemory:
+    """Peak memory of this process and all its descendants, sampled in a thread."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.peak_pss = self.peak_rss = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        pss = rss = 0
+        for proc in [self._me, *self._me.children(recursive=True)]:
+            try:
+                info = proc.memory_full_info()
+            except psutil.Error:
+                continue
+            pss += info.pss
+            rss += info.rss
+        self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> TreeMemory:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def large_array_run(run: Callable[[], list[float]]) -> tuple[float, TreeMemory]:
+    """Wall time and peak tree memory of one call; each process first drops unused heap."""
+    import gc
+
+    gc.collect()
+    with TreeMemory() as memory:
+        t0 = time.perf_counter()
+        run()
+        took = time.perf_counter() - t0
+    return took, memory
+
+
 def best(fn: Any, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -48,6 +110,8 @@ def main() -> int:
     parser.add_argument("--n-jobs", type=int, default=2)
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--array-mb", type=int, default=200,
+                        help="size of the array given to each of 8 tasks (0: skip)")
     args = parser.parse_args()
     if not os.environ.get("GPUWARDEN_SIMULATE"):
         from gpuwarden.inventory import real_gpu_present
@@ -110,6 +174,38 @@ def main() -> int:
     for name, per_task, first in rows:
         ratio = per_task / baseline["joblib" if name.startswith("joblib") else "executor"]
         print(f"{name:42} {per_task * 1e6:8.0f}us {ratio:6.2f}x {first * 1e3:17.0f} ms")
+
+    # -- a large array to 8 tasks: memory maps (both backends), warm workers -----------------
+    if args.array_mb:
+        import numpy as np
+
+        array = np.random.default_rng(0).random(args.array_mb * 2**20 // 8)
+        expected = float(array.sum())
+        print(f"\na {array.nbytes / 2**20:.0f} MB float64 array to each of 8 tasks "
+              f"(a.sum()), n_jobs={n}, warm workers, best of {args.repeat}; "
+              "peak memory of the process tree:")
+        print(f"  {'':40} {'time':>8} {'peak PSS':>10} {'peak RSS sum':>13}")
+        measured: dict[str, tuple[float, float]] = {}
+        for backend, extra in (("loky", {}), ("gpuwarden", {"preload": ()})):
+            with joblib.parallel_config(backend=backend, n_jobs=n, **extra):
+                Parallel()(delayed(tiny)(i) for i in range(n))  # warm the workers
+                runs = []
+                for _ in range(args.repeat):
+                    took, memory = large_array_run(
+                        lambda: Parallel()(delayed(array_sum)(array) for _ in range(8)))
+                    runs.append((took, memory.peak_pss, memory.peak_rss))
+                took, pss, rss = min(runs)
+                assert Parallel()(delayed(array_sum)(array) for _ in range(1)) == [expected]
+            if backend == "loky":
+                get_reusable_executor().shutdown(wait=True)
+            else:
+                shutdown_reusable_pool()
+            measured[backend] = (took, pss)
+            print(f"  {'joblib Parallel, backend=' + backend:40} {took * 1e3:6.0f} ms "
+                  f"{pss / 2**20:7.0f} MiB {rss / 2**20:10.0f} MiB")
+        (loky_t, loky_pss), (gw_t, gw_pss) = measured["loky"], measured["gpuwarden"]
+        print(f"  gpuwarden / loky: time {gw_t / loky_t:.2f}x, peak PSS {gw_pss / loky_pss:.2f}x")
+        del array
 
     # -- cold start of workers that use torch -----------------------------------------------
     print("\ncold start to the first result of a task that imports torch:")

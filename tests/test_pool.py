@@ -258,3 +258,90 @@ def test_import_gpuwarden_registers_backend_without_importing_joblib() -> None:
         assert "gpuwarden.pool.executor" not in sys.modules
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def read_shared(proxy, key: str) -> str:  # type: ignore[no-untyped-def]
+    proxy[key] = f"seen by {os.getpid()}"
+    return str(proxy[key])
+
+
+def test_manager_proxies_work_in_tasks(two_gpus, no_leftover_processes) -> None:
+    import multiprocessing
+
+    with multiprocessing.Manager() as manager, GPUPool(preload=()) as pool:
+        shared = manager.dict()
+        result = pool.submit(read_shared, shared, "a").result(timeout=30)
+        assert result.startswith("seen by ")
+        assert dict(shared) == {"a": result}
+
+
+def test_a_pool_inherited_through_fork_is_refused_in_the_child(two_gpus,
+                                                               no_leftover_processes) -> None:
+    with GPUPool(gpus=1, preload=()) as pool:
+        assert pool.submit(abs, -1).result(timeout=30) == 1
+        read_fd, write_fd = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                pool.submit(abs, -2)
+                verdict = b"accepted"
+            except Exception as exc:  # noqa: BLE001
+                verdict = f"{type(exc).__name__}: {exc}".encode()
+            pool.shutdown()  # a no-op in the child: it must not stop the parent's workers
+            os.write(write_fd, verdict)
+            os._exit(0)
+        os.close(write_fd)
+        _, status = os.waitpid(child, 0)
+        verdict = os.read(read_fd, 4096).decode()
+        os.close(read_fd)
+        assert verdict.startswith("PoolError: this GPUPool belongs to process"), verdict
+        # The parent's pool is untouched by the child's attempts.
+        assert pool.submit(abs, -3).result(timeout=30) == 3
+
+
+def test_shutdown_timeout_kills_a_hung_task(two_gpus, no_leftover_processes,
+                                            tmp_path: Path) -> None:
+    pool = GPUPool(gpus=1, preload=())
+    hung = pool.submit(report_pid_and_hang, str(tmp_path / "pid"))
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    pool.shutdown(wait=True, timeout_s=0.5)
+    assert time.monotonic() - started < 10
+    with pytest.raises(PoolBrokenError, match="shutdown's timeout"):
+        hung.result(timeout=1)
+    assert wait_until_gone([int((tmp_path / "pid").read_text())]) == []
+
+
+EXIT_SCRIPT = """
+import sys, time
+from gpuwarden.pool import GPUPool
+pool = GPUPool(gpus=1, preload=(), exit_timeout_s=0.5)
+pool.submit(time.sleep, 3600)
+time.sleep(0.5)
+print(" ".join(str(w.pid) for w in pool.workers()), flush=True)
+# The script ends with the task still running: interpreter exit must not wait for it.
+"""
+
+
+def test_interpreter_exit_kills_a_hung_task_after_exit_timeout(two_gpus, tmp_path: Path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 30
+    assert wait_until_gone([int(p) for p in done.stdout.split()]) == []
+
+
+def test_refusal_by_the_callers_own_pool_says_so(two_gpus, no_leftover_processes) -> None:
+    with GPUPool(preload=()) as holder:
+        assert len(holder.gpus) == 2
+        with pytest.raises(ConstraintError) as info:
+            GPUPool(gpus=1, preload=())
+    error = info.value
+    assert "this process's own pools hold GPUs" in error.what
+    assert "shutdown_reusable_pool()" in (error.fix or "")
+    assert any(f"pid {os.getpid()}" in e for e in error.evidence)

@@ -103,3 +103,22 @@ def test_device_prefetcher_gives_the_same_batches_on_the_gpu() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("True"), out.stdout
     print(out.stdout)
+
+
+def test_memory_mapped_array_goes_to_the_workers_gpu_and_comes_back_on_cpu() -> None:
+    out = run("""
+    import numpy as np
+    import gpuwarden
+    from joblib import Parallel, delayed
+    def on_gpu(a):
+        import torch
+        t = torch.from_numpy(np.array(a)).to("cuda")  # a read-only memmap: copy, then move
+        return type(a).__name__, (t * 2).sum()        # a CUDA tensor: returned on the CPU
+    if __name__ == "__main__":
+        big = np.ones(2_000_000, dtype=np.float32)    # 8 MB, above max_nbytes
+        out = Parallel(backend="gpuwarden", n_jobs=2, gpus=1, allow_shared=True,
+                       max_nbytes="1M")(delayed(on_gpu)(big) for _ in range(4))
+        print(sorted({(kind, float(s), s.device.type) for kind, s in out}))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[('memmap', 4000000.0, 'cpu')]"

@@ -4,8 +4,12 @@
 the backend is registered at once; otherwise a finder on ``sys.meta_path`` waits for
 ``joblib.parallel`` to be imported (whenever the user imports joblib, before or after
 gpuwarden) and registers right after that module has run. The finder answers no other
-module, costs one string comparison per import, and removes itself once done. The
-backend class itself (which imports joblib and the pool) loads on first use.
+module, costs one string comparison per import, and removes itself once done.
+
+joblib has no entry points for backends (only ``register_parallel_backend``), so the backend
+exists in an interpreter once ``gpuwarden`` is imported there; registering loads the backend
+class (a ``ParallelBackendBase`` subclass, as joblib's own backends are registered); the
+pool itself loads on the first ``Parallel`` call.
 """
 
 from __future__ import annotations
@@ -18,19 +22,18 @@ BACKEND_NAME = "gpuwarden"
 _TARGET = "joblib.parallel"
 
 
-def _backend_factory(**kwargs: Any) -> Any:
-    from gpuwarden.pool.joblib_backend import GpuwardenBackend
-
-    return GpuwardenBackend(**kwargs)
-
-
 def register(parallel_module: ModuleType | None = None) -> None:
     """Register the backend with joblib (imports joblib if it is not imported yet)."""
     if parallel_module is None:
         import joblib.parallel
 
         parallel_module = joblib.parallel
-    parallel_module.register_parallel_backend(BACKEND_NAME, _backend_factory)
+    backend_module = sys.modules.get("gpuwarden.pool.joblib_backend")
+    if backend_module is not None and not hasattr(backend_module, "GpuwardenBackend"):
+        return  # that module's own import of joblib got here: it registers when it is done
+    from gpuwarden.pool.joblib_backend import GpuwardenBackend
+
+    parallel_module.register_parallel_backend(BACKEND_NAME, GpuwardenBackend)
 
 
 class _AfterImportFinder:

@@ -23,6 +23,7 @@ import io
 import pickle
 import sys
 import traceback
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import cloudpickle
@@ -42,7 +43,12 @@ def _is_cuda_tensor(obj: Any) -> bool:
 
 
 class _TaskPickler(cloudpickle.Pickler):
+    reducers: Mapping[type, Callable[[Any], Any]] = {}
+
     def reducer_override(self, obj: Any) -> Any:
+        reducer = self.reducers.get(type(obj))
+        if reducer is not None:
+            return reducer(obj)
         if _is_cuda_tensor(obj):
             raise CudaTensorArgumentError(
                 f"a task argument is a CUDA tensor on {obj.device} "
@@ -77,15 +83,22 @@ class _ResultPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _dumps(pickler_cls: type, obj: Any) -> bytes:
+def _dumps(pickler_cls: type, obj: Any,
+           reducers: Mapping[type, Callable[[Any], Any]] | None = None) -> bytes:
     buf = io.BytesIO()
-    pickler_cls(buf, protocol=PROTOCOL).dump(obj)
+    pickler = pickler_cls(buf, protocol=PROTOCOL)
+    if reducers:
+        pickler.reducers = reducers
+    pickler.dump(obj)
     return buf.getvalue()
 
 
-def dumps_task(obj: Any) -> bytes:
-    """Pickle a task; raises CudaTensorArgumentError for a CUDA tensor anywhere in it."""
-    return _dumps(_TaskPickler, obj)
+def dumps_task(obj: Any, reducers: Mapping[type, Callable[[Any], Any]] | None = None) -> bytes:
+    """Pickle a task; raises CudaTensorArgumentError for a CUDA tensor anywhere in it.
+
+    ``reducers`` maps exact types to reduce functions (``obj -> (callable, args)``), used
+    before anything else: joblib's reducers that send large arrays as memory maps."""
+    return _dumps(_TaskPickler, obj, reducers)
 
 
 def dumps_result(obj: Any) -> bytes:

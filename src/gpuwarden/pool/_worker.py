@@ -18,6 +18,7 @@ cannot be unpickled there.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import signal
 import struct
@@ -42,6 +43,8 @@ def serve(conn: Connection, boot: dict[str, Any]) -> int:
     # Ctrl-C goes to the whole process group: the parent decides, the worker finishes its task.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(boot["env"])
+    # The caller's authkey: its Manager() proxies and listeners accept this worker.
+    multiprocessing.current_process().authkey = boot["authkey"]
     for entry in reversed(boot["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -21,13 +22,14 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.errors import (
+    ConstraintError,
     GpuwardenError,
     PoolBrokenError,
     PoolError,
@@ -56,6 +58,9 @@ PIPELINE_MAX_BYTES = 32 * 1024
 # rather than respawning forever.
 MAX_START_FAILURES = 3
 STOP_GRACE_S = 3.0
+# At interpreter exit a task still running gets this long before its worker is killed
+# (GPUPool(exit_timeout_s=...)): exit is never held up forever by a task that hangs.
+EXIT_TIMEOUT_S = 5.0
 
 
 class CPUFallbackWarning(UserWarning):
@@ -126,6 +131,8 @@ class GPUPool(Executor):
     CPU workers and warns once; ``gpus=0`` is a CPU pool on any host, without a warning.
     ``max_workers`` also caps the GPUs taken: only the GPUs those workers fill are leased.
     ``inventory``: where GPU state is read (default: NVML, or GPUWARDEN_SIMULATE's host).
+    ``workers_per_gpu=None`` spreads ``max_workers`` workers over the GPUs taken (what the
+    joblib backend does for ``n_jobs`` when no ``workers_per_gpu`` is given).
 
     Raises (from the constructor): UsageError for a bad argument; ConstraintError (exit 4)
     when fewer GPUs than requested are usable (busy, too little free memory, prohibited
@@ -134,12 +141,16 @@ class GPUPool(Executor):
     worker's traceback as ``__cause__``), WorkerDiedError when the worker died during the
     task, CudaTensorArgumentError for CUDA tensors in arguments, PoolBrokenError when the
     workers cannot start (initializer error).
+
+    The pool belongs to the process that created it: inherited through ``fork`` it refuses
+    work in the child (PoolError). At interpreter exit a task still running gets
+    ``exit_timeout_s`` seconds, then its worker is killed.
     """
 
     def __init__(
         self,
         gpus: str | int | Sequence[int | str] = "auto",
-        workers_per_gpu: int = 1,
+        workers_per_gpu: int | None = 1,
         *,
         max_workers: int | None = None,
         cpu_workers: int | None = None,
@@ -153,9 +164,13 @@ class GPUPool(Executor):
         wait: float | str | None = None,
         label: str = "gpuwarden pool",
         inventory: Inventory | None = None,
+        exit_timeout_s: float = EXIT_TIMEOUT_S,
     ) -> None:
-        if workers_per_gpu < 1:
+        if workers_per_gpu is not None and workers_per_gpu < 1:
             raise UsageError(f"workers_per_gpu={workers_per_gpu}: must be at least 1")
+        # None: as many per GPU as it takes to run max_workers workers on the GPUs taken.
+        spread = workers_per_gpu is None
+        per_gpu = 1 if workers_per_gpu is None else workers_per_gpu
         if start_method not in START_METHODS:
             raise UsageError(f"start_method={start_method!r} is not one of {START_METHODS}",
                              fix="'forkserver' (fast starts, preloads once) or 'spawn'")
@@ -175,20 +190,31 @@ class GPUPool(Executor):
 
             # make_request validates and parses min_free (str or int) as every lease does.
             min_free_bytes = make_request(1, min_free=min_free).constraints.min_free_bytes
-            taken = take_gpus(gpus, workers_per_gpu, max_workers=max_workers,
-                              min_free_bytes=min_free_bytes, allow_shared=allow_shared,
-                              wait=wait, label=label, inventory=inventory)
+            # GPUs held by joblib's warm pool in this process, idle now, go to this pool.
+            _release_idle_warm_pool()
+            try:
+                taken = take_gpus(gpus, per_gpu, max_workers=max_workers,
+                                  min_free_bytes=min_free_bytes, allow_shared=allow_shared,
+                                  wait=wait, label=label, inventory=inventory)
+            except ConstraintError as exc:
+                _blame_own_pools(exc)
+                raise
             if not taken.gpus:
                 _warn_cpu_once(taken.why_cpu)
         self._release = taken.release
         n_cpu = cpu_workers or max_workers or os.cpu_count() or 1
-        slots = plan_slots(taken.gpus, workers_per_gpu, cpu_workers=n_cpu)
+        if spread and max_workers is not None and taken.gpus:
+            per_gpu = -(-max_workers // len(taken.gpus))
+        slots = plan_slots(taken.gpus, per_gpu, cpu_workers=n_cpu)
         if max_workers is not None:
             slots = slots[:max_workers]
         self._slots = slots
         self._gpus = taken.gpus
         self._boot_common = {
             "sys_path": [p for p in sys.path if p],
+            # multiprocessing's children share the parent's authkey, so that Manager() proxies
+            # and other multiprocessing connections made by the caller work inside tasks.
+            "authkey": bytes(multiprocessing.current_process().authkey),
             "preload": list(preload),
             "memory_fraction": memory_fraction,
             "initializer": None if initializer is None
@@ -199,6 +225,9 @@ class GPUPool(Executor):
             if start_method == "forkserver" else SpawnLauncher()
         )
         self.start_method = start_method
+        self.exit_timeout_s = exit_timeout_s
+        self._owner_pid = os.getpid()
+        self._deadline: float | None = None
         self._lock = threading.Lock()
         self._pending: collections.deque[_Task] = collections.deque()
         self._workers: dict[int, _Worker] = {}  # by slot index
@@ -208,6 +237,7 @@ class GPUPool(Executor):
         self._kill = False
         self._broken: BaseException | None = None
         self._task_s: float | None = None
+        self._killed_why = "the pool was shut down while this task ran"
         self.notes: list[str] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -235,6 +265,13 @@ class GPUPool(Executor):
                     for w in sorted(self._workers.values(), key=lambda w: w.slot.index)]
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._submit(fn, args, kwargs, None)
+
+    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                reducers: Mapping[type, Callable[[Any], Any]] | None) -> Future[Any]:
+        """submit(), pickling objects of the types in ``reducers`` with those reducers
+        (the joblib backend's memory-mapping of large arrays)."""
+        self._check_owner()
         with self._lock:
             if self._broken is not None:
                 raise PoolBrokenError("the pool is broken and runs no more tasks",
@@ -245,7 +282,8 @@ class GPUPool(Executor):
         future: Future[Any] = Future()
         description = _describe_task(fn, args, kwargs)
         try:
-            payload = _worker.HEADER.pack(task_id, 0) + _pickling.dumps_task((fn, args, kwargs))
+            payload = _worker.HEADER.pack(task_id, 0) + _pickling.dumps_task((fn, args, kwargs),
+                                                                          reducers)
         except Exception as exc:  # noqa: BLE001 - as ProcessPoolExecutor: the future carries it
             future.set_exception(exc)
             return future
@@ -255,20 +293,40 @@ class GPUPool(Executor):
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
-                 kill_workers: bool = False) -> None:
+                 kill_workers: bool = False, timeout_s: float | None = None) -> None:
         """Stop the pool: no new tasks; running (and, unless cancelled, queued) tasks finish,
         then every worker and the fork server are stopped, leftovers killed with their whole
         process tree, and the GPUs released. ``kill_workers=True`` kills at once: the futures
-        of running tasks fail with PoolBrokenError."""
+        of running tasks fail with PoolBrokenError. ``timeout_s`` bounds the wait for running
+        tasks: the workers of tasks still running after it are killed (their futures fail
+        with PoolBrokenError). Without it, as in concurrent.futures, running tasks finish
+        however long they take. In a process that inherited the pool through fork this does
+        nothing: the pool belongs to its creator."""
+        if os.getpid() != self._owner_pid:
+            return
         with self._lock:
             self._shutdown = True
             self._kill = self._kill or kill_workers
+            if timeout_s is not None:
+                deadline = time.monotonic() + max(0.0, timeout_s)
+                self._deadline = deadline if self._deadline is None \
+                    else min(self._deadline, deadline)
             if cancel_futures or kill_workers:
                 while self._pending:
                     self._pending.popleft().future.cancel()
         self._wake()
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._owner_pid:
+            raise PoolError(
+                f"this GPUPool belongs to process {self._owner_pid}; process {os.getpid()} "
+                "inherited it through fork",
+                why="its workers, sockets and GPU leases are the creator's; a forked copy "
+                "would share them without any of its threads running",
+                fix="create a new GPUPool in the child, or start children with 'spawn'",
+            )
 
     # -- manager thread ----------------------------------------------------------------------
 
@@ -290,11 +348,17 @@ class GPUPool(Executor):
                     self._dispatch()
                 with self._lock:
                     busy = any(w.inflight for w in self._workers.values())
+                    if self._shutdown and busy and self._deadline is not None \
+                            and time.monotonic() >= self._deadline:
+                        self._kill = True
+                        self._killed_why = "it still ran when shutdown's timeout ran out"
                     done = self._shutdown and (self._kill or self._broken is not None
                                                or not (self._pending or busy))
+                    left = None if self._deadline is None \
+                        else max(0.0, self._deadline - time.monotonic())
                 if done:
                     break
-                self._poll()
+                self._poll(left)
         finally:
             self._close()
 
@@ -339,11 +403,12 @@ class GPUPool(Executor):
             with contextlib.suppress(OSError):
                 worker.conn.send_bytes(task.payload)
 
-    def _poll(self) -> None:
+    def _poll(self, timeout_s: float | None = None) -> None:
         with self._lock:
             by_conn = {w.conn: w for w in self._workers.values()}
         ready = wait([self._wake_r, *by_conn, *([self._launcher.control]
-                                                if self._launcher.control else [])])
+                                                if self._launcher.control else [])],
+                     timeout=timeout_s)
         for item in ready:
             if item == self._wake_r:
                 os.read(self._wake_r, 65536)
@@ -469,7 +534,7 @@ class GPUPool(Executor):
         with self._lock:
             workers = list(self._workers.values())
             self._workers.clear()
-            gone = PoolBrokenError("the pool was shut down while this task ran")
+            gone = PoolBrokenError(f"the task's worker was killed: {self._killed_why}")
             for w in workers:
                 for task in w.inflight:
                     if not task.future.done():
@@ -486,15 +551,14 @@ class GPUPool(Executor):
             for w in workers:
                 with contextlib.suppress(OSError):
                     w.conn.send_bytes(b"stop")
-            psutil.wait_procs([p for p in tree if p.pid in {w.pid for w in workers}],
-                              timeout=STOP_GRACE_S)
+            _wait_gone([p for p in tree if p.pid in {w.pid for w in workers}], STOP_GRACE_S)
         for proc in tree:
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGKILL)
         for w in workers:
             w.conn.close()
         self._launcher.stop()
-        psutil.wait_procs(tree, timeout=STOP_GRACE_S)
+        _wait_gone(tree, STOP_GRACE_S)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         _live_pools.discard(self)
@@ -506,6 +570,30 @@ class GPUPool(Executor):
     def __repr__(self) -> str:
         where = ", ".join(g.label for g in self._gpus) or "CPU"
         return f"<GPUPool {self.n_workers} workers on {where}, {self.start_method}>"
+
+
+def _wait_gone(procs: list[Any], timeout_s: float) -> None:
+    """Wait until every process in ``procs`` has exited, up to ``timeout_s``.
+
+    A worker forked by the fork server is not this process's child: once dead it stays a
+    zombie until its parent (or init) reaps it, and psutil.wait_procs would count that
+    zombie as alive until the timeout. Dead is what matters here.
+    """
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        still = []
+        for proc in alive:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    still.append(proc)
+            except psutil.Error:
+                pass
+        alive = still
+        if alive:
+            time.sleep(0.01)
 
 
 def _safe_loads(payload: Any) -> BaseException:
@@ -528,8 +616,32 @@ def _warn_cpu_once(why: str) -> None:
 _live_pools: weakref.WeakSet[GPUPool] = weakref.WeakSet()
 
 
+def _release_idle_warm_pool() -> None:
+    # Only when the joblib backend is in use (it is loaded then): no joblib import here.
+    backend = sys.modules.get("gpuwarden.pool.joblib_backend")
+    if backend is not None:
+        backend.release_if_idle()
+
+
+def _blame_own_pools(exc: ConstraintError) -> None:
+    """Say so in ``exc`` when this process's own pools hold GPUs that were refused."""
+    mine = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p.gpus]
+    if not mine:
+        return
+    held = ", ".join(f"{g.label} by {p!r}" for p in mine for g in p.gpus)
+    exc.what = f"{exc.what} (this process's own pools hold GPUs: {held})"
+    exc.args = (exc.what,)
+    exc.fix = ("shut the other pool down first (pool.shutdown(); for joblib's warm pool "
+               "gpuwarden.pool.joblib_backend.shutdown_reusable_pool()), or use it instead")
+    exc.evidence = (*exc.evidence, f"held by this process (pid {os.getpid()}): {held}")
+
+
 @atexit.register
 def _shutdown_all() -> None:
-    # Daemon manager threads would be frozen mid-way at interpreter exit: stop them first.
-    for pool in list(_live_pools):
-        pool.shutdown(wait=True, cancel_futures=True)
+    # Daemon manager threads would be frozen mid-way at interpreter exit: stop them first,
+    # giving running tasks exit_timeout_s. A forked child's copies are not its own to stop.
+    pools = [p for p in list(_live_pools) if p._owner_pid == os.getpid()]
+    for pool in pools:
+        pool.shutdown(wait=False, cancel_futures=True, timeout_s=pool.exit_timeout_s)
+    for pool in pools:
+        pool.shutdown(wait=True)

@@ -9,32 +9,67 @@ Usage::
         results = Parallel()(delayed(train)(lr) for lr in grid)
 
 Implements joblib's current backend API (``submit`` + ``retrieve_result_callback``, with
-auto-batching of tiny tasks like loky's backend). Like loky's reusable executor, the pool
-outlives one ``Parallel`` call: the next call with the same settings reuses its warm
-workers, and a pool left idle ``idle_worker_timeout`` seconds (default 300) is shut down,
-which releases its GPUs. Nested ``Parallel`` calls inside a worker run sequentially.
+auto-batching of tiny tasks like loky's backend). Large numpy arrays in arguments travel as
+memory maps through joblib's own machinery (``max_nbytes``, ``mmap_mode``, ``temp_folder``
+as with loky). Like loky's reusable executor, the pool outlives one ``Parallel`` call: the
+next call with the same settings reuses its warm workers; a pool left idle
+``idle_worker_timeout`` seconds (default :data:`IDLE_WORKER_TIMEOUT_S`) is shut down, which
+releases its GPUs, and a new :class:`GPUPool` in this process takes over an idle warm pool's
+GPUs at once. Nested ``Parallel`` calls run sequentially (see :meth:`effective_n_jobs`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from joblib._memmapping_reducer import TemporaryResourcesManager, get_memmapping_reducers
 from joblib._parallel_backends import (
     AutoBatchingMixin,
     FallbackToBackend,
     ParallelBackendBase,
     SequentialBackend,
 )
+from joblib.parallel import register_parallel_backend
 
-from gpuwarden.pool.executor import GPUPool
+from gpuwarden._joblib_hook import BACKEND_NAME
 from gpuwarden.pool.plan import WORKER_ENV
 
+if TYPE_CHECKING:
+    # Loaded on the first Parallel call: registering the backend costs no executor import.
+    from gpuwarden.pool.executor import GPUPool
+
+# Seconds: GPUs are a shared resource, so an idle warm pool lets them go soon; long enough
+# that a loop of Parallel calls keeps its workers.
+IDLE_WORKER_TIMEOUT_S = 10.0
+# joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
+# configure()); joblib's own defaults apply when a caller gives none.
+_MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
+                                    "prewarm": False, "verbose": 0}
+# What Parallel passes to every backend and a process pool has no use for.
+_JOBLIB_ONLY = ("context", "prefer", "require")
+
 _lock = threading.Lock()
-_reusable: dict[str, Any] = {"settings": None, "n": None, "pool": None, "timer": None}
+_reusable: dict[str, Any] = {}
+
+
+def _forget_reusable() -> None:
+    """Empty the warm-pool registry (under a fresh lock: a forked child may have inherited
+    the old one held by a thread that does not exist in the child)."""
+    global _lock
+    _lock = threading.Lock()
+    _reusable.update(settings=None, n=None, pool=None, timer=None, users=0)
+
+
+_forget_reusable()
+# A child forked while a warm pool exists (a multiprocessing worker, os.fork) must never use
+# the parent's pool: its workers and GPU leases belong to the parent.
+os.register_at_fork(after_in_child=_forget_reusable)
 
 
 def _settings_key(pool_kwargs: dict[str, Any]) -> str:
@@ -58,8 +93,8 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
         if pool is not None and _reusable["settings"] == settings:
             return int(pool.n_workers)
     # Other settings replace the warm pool anyway: let its GPUs go before counting them.
-    shutdown_reusable_pool()
-    workers_per_gpu = int(pool_kwargs.get("workers_per_gpu", 1))
+    release_if_idle()
+    workers_per_gpu = int(pool_kwargs.get("workers_per_gpu") or 1)
     min_free = pool_kwargs.get("min_free")
     gpus = usable_gpu_count(
         pool_kwargs.get("gpus", "auto"), workers_per_gpu=workers_per_gpu,
@@ -72,6 +107,7 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
 
 
 def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
+    """The warm pool when its settings match, else a new one; counted as in use."""
     settings = _settings_key(pool_kwargs)
     with _lock:
         timer = _reusable["timer"]
@@ -82,97 +118,152 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
         # n_workers as asked, or as the pool turned out (fewer GPUs were free than asked).
         if pool is not None and _reusable["settings"] == settings and \
                 n_workers in (_reusable["n"], pool.n_workers):
+            _reusable["users"] += 1
             return pool
         _reusable["pool"] = None
     if pool is not None:
         pool.shutdown(wait=True)
+    from gpuwarden.pool.executor import GPUPool
+
     pool = GPUPool(max_workers=n_workers, **pool_kwargs)
     with _lock:
-        _reusable["settings"], _reusable["pool"], _reusable["n"] = settings, pool, n_workers
+        previous = _reusable["pool"]
+        _reusable.update(settings=settings, pool=pool, n=n_workers, users=1)
+    if previous is not None:  # another thread's pool, replaced: it is idle or its own
+        previous.shutdown(wait=False)
     return pool
+
+
+def _done_with(pool: GPUPool, idle_s: float) -> None:
+    """A Parallel call stopped using ``pool``: once nobody uses it, start the idle clock."""
+    def expire() -> None:
+        with _lock:
+            if _reusable["pool"] is not pool or _reusable["timer"] is not timer \
+                    or _reusable["users"]:
+                return
+            _reusable.update(pool=None, settings=None, timer=None)
+        pool.shutdown(wait=True)
+
+    with _lock:
+        if _reusable["pool"] is not pool:
+            return
+        _reusable["users"] = max(0, _reusable["users"] - 1)
+        if _reusable["users"]:
+            return
+        timer = threading.Timer(idle_s, expire)
+        timer.daemon = True
+        _reusable["timer"] = timer
+    timer.start()
 
 
 def _drop_pool(pool: GPUPool, *, kill: bool) -> None:
     with _lock:
         if _reusable["pool"] is pool:
-            _reusable["pool"] = _reusable["settings"] = None
+            _reusable.update(pool=None, settings=None, users=0)
     pool.shutdown(wait=True, cancel_futures=True, kill_workers=kill)
-
-
-def _schedule_idle_shutdown(pool: GPUPool, idle_s: float) -> None:
-    def expire() -> None:
-        with _lock:
-            if _reusable["pool"] is not pool or _reusable["timer"] is not timer:
-                return
-            _reusable["pool"] = _reusable["settings"] = _reusable["timer"] = None
-        pool.shutdown(wait=True)
-
-    timer = threading.Timer(idle_s, expire)
-    timer.daemon = True
-    with _lock:
-        if _reusable["pool"] is not pool:
-            return
-        _reusable["timer"] = timer
-    timer.start()
 
 
 def shutdown_reusable_pool() -> None:
     """Shut down the pool kept warm between Parallel calls (and release its GPUs) now."""
     with _lock:
-        pool = _reusable["pool"]
-        timer = _reusable["timer"]
-        _reusable["pool"] = _reusable["settings"] = _reusable["timer"] = None
+        pool, timer = _reusable["pool"], _reusable["timer"]
+        _reusable.update(pool=None, settings=None, timer=None, users=0)
     if timer is not None:
         timer.cancel()
     if pool is not None:
         pool.shutdown(wait=True)
 
 
+def release_if_idle() -> None:
+    """Shut down the warm pool if no Parallel call is using it (its GPUs are released).
+
+    GPUPool calls this before it takes GPUs, so that a pool created after a Parallel call
+    in the same process gets the GPUs the warm pool would otherwise keep until it expires.
+    """
+    with _lock:
+        if _reusable["pool"] is None or _reusable["users"]:
+            return
+    shutdown_reusable_pool()
+
+
 class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
     """joblib backend over GPUPool. Backend arguments (``parallel_config(backend="gpuwarden",
-    ...)``) are GPUPool's: ``gpus``, ``workers_per_gpu``, ``memory_fraction``, ``start_method``,
-    ``preload``, ``initializer``, ``min_free`` ..., plus ``idle_worker_timeout`` (seconds)."""
+    ...)`` or ``Parallel(backend="gpuwarden", ...)``) are GPUPool's: ``gpus``,
+    ``workers_per_gpu``, ``memory_fraction``, ``start_method``, ``preload``, ``initializer``,
+    ``initargs``, ``min_free`` ..., plus ``idle_worker_timeout`` (seconds) and joblib's
+    ``max_nbytes``/``mmap_mode``/``temp_folder``."""
 
     supports_retrieve_callback = True
     supports_inner_max_num_threads = False
-    default_n_jobs = -1  # every usable slot: the reason to pick this backend
+    default_n_jobs = 1  # joblib's contract for n_jobs=None; n_jobs=-1 is every usable slot
 
     def __init__(self, nesting_level: int | None = None,
-                 inner_max_num_threads: int | None = None, *,
-                 idle_worker_timeout: float = 300.0, **pool_kwargs: Any) -> None:
-        super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads)
-        self._pool_kwargs = pool_kwargs
-        self._idle_s = idle_worker_timeout
+                 inner_max_num_threads: int | None = None, **backend_kwargs: Any) -> None:
+        super().__init__(nesting_level=nesting_level,
+                         inner_max_num_threads=inner_max_num_threads, **backend_kwargs)
         self._pool: GPUPool | None = None
+        self._pool_kwargs: dict[str, Any] = _split_kwargs(backend_kwargs)[0]
+        self._reducers: dict[type, Callable[[Any], Any]] | None = None
+        self._temp_folders: TemporaryResourcesManager | None = None
+        self._idle_s = IDLE_WORKER_TIMEOUT_S
         self.parallel: Any = None
 
     def effective_n_jobs(self, n_jobs: int | None) -> int:
+        """``n_jobs`` as the number of workers; 1 (sequential, in the caller) when nested.
+
+        Nested means: inside a gpuwarden worker (silently: a task's inner loop runs on its
+        GPU), or inside a task of another Parallel (joblib's ``nesting_level`` > 0: a loky,
+        threading or multiprocessing task) or a daemonic process (a multiprocessing worker)
+        — there with a warning, as loky does: a pool there would compete with its siblings
+        for the same GPUs.
+        """
         if n_jobs == 0:
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        if n_jobs is None or n_jobs == 1:
+            return 1
         if os.environ.get(WORKER_ENV) is not None:
-            return 1  # inside a pool worker: nested loops run sequentially, on this GPU
-        if n_jobs is None:
-            n_jobs = self.default_n_jobs
+            return 1
+        nested = _nested_where(self.nesting_level)
+        if nested is not None:
+            warnings.warn(f"gpuwarden-backed parallel loops cannot be nested {nested}, "
+                          "setting n_jobs=1", stacklevel=3)
+            return 1
         if n_jobs < 0:
             slots = _usable_slots(self._pool_kwargs)
             return max(slots + 1 + n_jobs, 1)
-        return n_jobs
+        return int(n_jobs)
 
     def configure(self, n_jobs: int | None = 1, parallel: Any = None, prefer: Any = None,
-                  require: Any = None, **_joblib_kwargs: Any) -> int:
-        # joblib also passes its memmapping settings (max_nbytes, mmap_mode, temp_folder);
-        # the pool sends arguments by value, so they do not apply.
+                  require: Any = None, **kwargs: Any) -> int:
+        pool_kwargs, memmap_kwargs, idle_s = _split_kwargs({**self.backend_kwargs, **kwargs})
+        self._pool_kwargs = pool_kwargs
         n = self.effective_n_jobs(n_jobs)
         if n == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
-        self._pool = _get_pool(n, self._pool_kwargs)
+        self._idle_s = idle_s
+        self._pool = _get_pool(n, pool_kwargs)
         self.parallel = parallel
+        # joblib's memmapping, as its multiprocessing backend wires it: arrays above
+        # max_nbytes are dumped once into a folder of this Parallel call and sent as memory
+        # maps; terminate() deletes the folder. The folder (and joblib's resource tracker
+        # process, which registers it) is made only when a first array is that large.
+        temp_root = memmap_kwargs.pop("temp_folder")
+        context_id = getattr(parallel, "_id", None)
+
+        def resolve_temp_folder() -> str:
+            if self._temp_folders is None:
+                self._temp_folders = TemporaryResourcesManager(temp_root, context_id=context_id)
+            return str(self._temp_folders.resolve_temp_folder_name())
+
+        self._reducers = get_memmapping_reducers(
+            temp_folder_resolver=resolve_temp_folder, unlink_on_gc_collect=False,
+            **memmap_kwargs)[0]
         return n
 
     def submit(self, func: Callable[[], Any], callback: Callable[[Any], None] | None = None
                ) -> Future[Any]:
         assert self._pool is not None
-        future = self._pool.submit(func)
+        future = self._pool._submit(func, (), {}, self._reducers)
         if callback is not None:
             future.add_done_callback(callback)
         return future
@@ -182,14 +273,24 @@ class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
 
     def terminate(self) -> None:
         if self._pool is not None:
-            _schedule_idle_shutdown(self._pool, self._idle_s)
+            _done_with(self._pool, self._idle_s)
             self._pool = None
+        self._clean_temp_folder()
         self.reset_batch_stats()
+
+    def _clean_temp_folder(self) -> None:
+        if self._temp_folders is not None:
+            # Every task of the call has finished (or its worker was killed): the memory
+            # maps' files can go, even while a worker still maps one (Linux keeps the pages).
+            self._temp_folders._clean_temporary_resources(force=True, allow_non_empty=True)
+            self._temp_folders = None
+        self._reducers = None
 
     def abort_everything(self, ensure_ready: bool = True) -> None:
         if self._pool is not None:
             _drop_pool(self._pool, kill=True)
             self._pool = None
+        self._clean_temp_folder()
         if ensure_ready and self.parallel is not None:
             self.configure(n_jobs=self.parallel.n_jobs, parallel=self.parallel,
                            **self.parallel._backend_kwargs)
@@ -197,3 +298,40 @@ class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
     def get_nested_backend(self) -> tuple[Any, int | None]:
         nesting_level = (self.nesting_level or 0) + 1
         return SequentialBackend(nesting_level=nesting_level), None
+
+
+def _nested_where(nesting_level: int | None) -> str | None:
+    import multiprocessing
+
+    if multiprocessing.current_process().daemon:
+        return "in a daemonic process (e.g. a multiprocessing worker)"
+    if nesting_level:
+        return "inside a task of another Parallel call"
+    return None
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Backend arguments -> (GPUPool's, joblib memmapping's, idle timeout in seconds)."""
+    pool_kwargs = dict(kwargs)
+    for name in _JOBLIB_ONLY:
+        pool_kwargs.pop(name, None)
+    memmap_kwargs = {name: pool_kwargs.pop(name, default)
+                     for name, default in _MEMMAP_DEFAULTS.items()}
+    if memmap_kwargs["mmap_mode"] == "w+":
+        memmap_kwargs["mmap_mode"] = "r+"  # as joblib: w+ would zero the data when mapped
+    idle = pool_kwargs.pop("idle_worker_timeout", None)
+    # n_jobs is the number of workers, as with every joblib backend: without an explicit
+    # workers_per_gpu, n_jobs above the number of GPUs puts several workers on each.
+    pool_kwargs.setdefault("workers_per_gpu", None)
+    # The fork server preloads torch for tasks that use it; a caller that has not imported
+    # torch rarely sends tasks that do, and would wait seconds for an import it never uses.
+    pool_kwargs.setdefault("preload", ("torch",) if "torch" in sys.modules else ())
+    if pool_kwargs.get("initializer") is None:
+        pool_kwargs.pop("initializer", None)
+        pool_kwargs.pop("initargs", None)
+    return pool_kwargs, memmap_kwargs, IDLE_WORKER_TIMEOUT_S if idle is None else float(idle)
+
+
+# Imported first (before joblib), this module's import of joblib ran the registration hook
+# before the class existed; registering here covers that order too.
+register_parallel_backend(BACKEND_NAME, GpuwardenBackend)
