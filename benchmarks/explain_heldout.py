@@ -81,10 +81,12 @@ def main() -> None:
     print(f"  first failing rank named: {rank_right}/{len(ranked)} "
           "(right-code cases whose log names the rank)")
     for c in cases:
-        miss = c.got != c.expected or (c.rank_expected is not None and c.rank_got != c.rank_expected)
+        wrong_rank = c.rank_expected is not None and c.rank_got != c.rank_expected
+        miss = c.got != c.expected or wrong_rank
         if miss or args.verbose:
             mark = "MISS" if miss else "ok  "
-            rank = "" if c.rank_expected is None else f", rank {c.rank_got} (want {c.rank_expected})"
+            rank = ("" if c.rank_expected is None
+                    else f", rank {c.rank_got} (want {c.rank_expected})")
             print(f"  {mark} {c.name}: expected {c.expected}, got {c.got}{rank}  {c.source}")
 
 

@@ -75,8 +75,8 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S
 
 # Field names whose values are numbers; names ending in "bytes" hold sizes ("2.00 GiB"),
 # stored as integers; any other field is text.
-_INT_FIELDS = frozenset({"pid", "rank", "local_rank", "gpu", "port", "exitcode", "xid", "seq",
-                         "world_size", "worker_count", "worker"})
+_INT_FIELDS = frozenset({"pid", "rank", "other_rank", "local_rank", "gpu", "port", "exitcode",
+                         "xid", "seq", "world_size", "worker_count", "worker"})
 
 
 def field_value(name: str, raw: str) -> Any:
