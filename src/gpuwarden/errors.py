@@ -23,6 +23,7 @@ Tree (exit code in brackets)::
     │   └── LeaseTimeoutError     a lease wait ran out before the request was served
     ├── PoolError [1]             a GPU worker pool failed
     │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
+    │   │   └── DaskWorkerDiedError  the same for a `gpuwarden worker` Dask worker (host, GPU)
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
     └── LaunchError [1]           a launch cannot start (preflight), or a job failed
         ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
@@ -238,6 +239,30 @@ class WorkerDiedError(PoolError):
         self.gpu = gpu
         self.exit_status = exit_status
         self.task = task
+
+
+class DaskWorkerDiedError(WorkerDiedError):
+    """A Dask worker started by ``gpuwarden worker`` died while it ran this task.
+
+    Raised from the task's future (and so from joblib's ``dask`` backend) in place of Dask's
+    generic ``KilledWorker``; the worker's nanny reported the signal, the scheduler plugin made
+    the task fail with it. Usual causes as :class:`WorkerDiedError`. It crosses processes
+    (scheduler -> client) by pickle, with all its parts.
+    """
+
+    def __init__(self, what: str, *, host: str = "", **kwargs: Any) -> None:
+        super().__init__(what, **kwargs)
+        self.host = host
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        parts = {"why": self.why, "fix": self.fix, "evidence": list(self.evidence),
+                 "worker": self.worker, "gpu": self.gpu, "exit_status": self.exit_status,
+                 "task": self.task, "host": self.host}
+        return (_rebuild, (type(self), self.what, parts))
+
+
+def _rebuild(cls: type[GpuwardenError], what: str, parts: dict[str, Any]) -> GpuwardenError:
+    return cls(what, **parts)
 
 
 class PoolBrokenError(PoolError):

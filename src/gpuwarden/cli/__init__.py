@@ -18,7 +18,7 @@ from gpuwarden import __version__
 from gpuwarden.errors import EXIT_USAGE, GpuwardenError
 
 # Subcommand modules, in the order `gpuwarden --help` lists them.
-COMMANDS = ("ls", "select", "launch", "run", "leases", "doctor", "explain")
+COMMANDS = ("ls", "select", "launch", "run", "leases", "worker", "doctor", "explain")
 
 
 def build_parser() -> argparse.ArgumentParser:
