@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
                    help="address the workers listen on (default: the one that routes to the "
                    "scheduler)")
     p.add_argument("--cpu", action="store_true",
-                   help="no GPU, no lease: K CPU workers (for testing a set-up)")
+                   help="no GPU, no lease: N x K CPU workers (N from --gpus, 1 for all), to test a set-up")
     p.add_argument("-v", "--verbose", action="store_true", help="Dask's own INFO logs")
     p.set_defaults(run=run)
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         hide_gpus_from_children()
         what = f"GPU {leased.visible_devices}" if leased.gpus else "no GPU (--cpu)"
-        workers = GPUWorkers(options, leased, cpu_workers=options.workers_per_gpu)
+        workers = GPUWorkers(options, leased)
 
         def started(w: GPUWorkers) -> None:
             note(f"gpuwarden: {leased.host}: leased {what}; {len(w.nannies)} Dask worker(s) "

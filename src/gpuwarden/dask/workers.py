@@ -139,12 +139,13 @@ class GPUWorkers:
     whoever leased them does, after the workers are gone (:func:`serve` does both).
     """
 
-    def __init__(self, options: WorkerOptions, leased: LeasedHost, cpu_workers: int = 1
-                 ) -> None:
+    def __init__(self, options: WorkerOptions, leased: LeasedHost) -> None:
         from gpuwarden.dask.plan import plan_workers
 
         self.options = options
         self.leased = leased
+        # CPU workers (no GPU leased, ``cpu=True``): as many as N GPUs would have had.
+        cpu_workers = options.workers_per_gpu * (options.gpus if options.gpus != "all" else 1)
         self.specs = plan_workers(leased.host, leased.gpus, options.workers_per_gpu,
                                   cpu_workers=cpu_workers)
         self.nannies: list[Any] = []
@@ -363,7 +364,8 @@ def local_cluster(gpus: int | Literal["all"] = "all", workers_per_gpu: int = 1,
     thread = _LoopThread("gpuwarden-dask-scheduler")
 
     async def start_scheduler() -> Any:
-        scheduler = Scheduler(host="127.0.0.1", port=0, dashboard=False)
+        scheduler = Scheduler(host="127.0.0.1", port=0, dashboard=False,
+                              dashboard_address="127.0.0.1:0")
         await scheduler
         await scheduler.register_scheduler_plugin(GpuwardenSchedulerPlugin(), name=PLUGIN_NAME,
                                                   idempotent=True)
