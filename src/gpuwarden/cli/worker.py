@@ -63,6 +63,11 @@ def _gpus(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import distributed  # noqa: F401
+    except ImportError as exc:
+        raise UsageError("gpuwarden worker needs Dask distributed, which is not installed",
+                         why=str(exc), fix="pip install 'gpuwarden[dask]'") from exc
     from gpuwarden.dask.workers import (
         GPUWorkers,
         WorkerOptions,
