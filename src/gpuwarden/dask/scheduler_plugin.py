@@ -123,9 +123,10 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         if info is None:
             return "unknown worker"
         keys = loads(executing)
-        self.reported[address] = {"exit_status": exit_status, "executing": keys}
         stimulus_id = f"gpuwarden-worker-died-{time.time()}"
         if address in self.scheduler.workers:
+            # Remembered until the removal, so that it holds nothing back.
+            self.reported[address] = {"exit_status": exit_status, "executing": keys}
             # The nanny was faster than the closed connection: fail the task as if the worker
             # had reported its error; the removal that follows reschedules the others.
             for key in keys:
