@@ -89,6 +89,11 @@ class Host:
             assert self.proc.poll() is None, f"{self.name} exited: {self.log.read_text()}"
             assert time.monotonic() < deadline, f"{self.name} not ready: {self.log.read_text()}"
             time.sleep(0.1)
+        self.note_descendants()
+
+    def note_descendants(self) -> None:
+        """Its nannies' workers now (a restarted worker is a new process)."""
+        assert self.proc is not None
         self.descendants = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
 
     def leases(self) -> list[tuple[int, int, tuple[int, ...], int]]:
@@ -100,6 +105,7 @@ class Host:
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:
+            self.note_descendants()
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout_s)
@@ -176,6 +182,17 @@ def where_am_i(i: int, sleep_s: float = 0.0) -> dict[str, Any]:
     return {"i": i, "worker": get_worker().name, "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "order": os.environ.get("CUDA_DEVICE_ORDER")}
+
+
+def wait_for_worker(client: Client, name: str, timeout_s: float = 60.0) -> str:
+    """The address of the worker called ``name``, once it is registered."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for address, w in client.scheduler_info(n_workers=-1)["workers"].items():
+            if w["name"] == name:
+                return str(address)
+        assert time.monotonic() < deadline, f"no worker {name}"
+        time.sleep(0.1)
 
 
 EXPECTED_WORKERS = {"box-a/GPU1/0": "1", "box-a/GPU1/1": "1", "box-b/GPU0/0": "0",
@@ -289,6 +306,7 @@ def test_scheduler_gone_stops_workers_and_frees_leases(tmp_path: Path) -> None:
         assert host.proc is not None
         assert host.leases() == [(0, 2, (0, 1), host.proc.pid)]
         assert len(host.descendants) >= 2
+        host.note_descendants()
         stop_process(scheduler)
         assert host.proc.wait(60) == 1
         assert host.leases() == []
@@ -342,6 +360,26 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
     assert main(argv) == 2
 
 
+def test_a_task_with_retries_runs_again_after_its_worker_died(cluster: Cluster,
+                                                             tmp_path: Path) -> None:
+    marker = tmp_path / "first-run.pid"
+
+    def once() -> str:
+        if not marker.exists():  # the first run dies with its worker, the retry succeeds
+            marker.write_text(str(os.getpid()))
+            time.sleep(60)
+        return "second run"
+
+    with Client(cluster.address) as client:
+        future = client.submit(once, retries=1, pure=False)
+        deadline = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        assert future.result(timeout=60) == "second run"
+
+
 def test_a_report_before_the_removal_fails_the_task_at_once(cluster: Cluster,
                                                            tmp_path: Path) -> None:
     """The nanny's report can beat the closed connection to the scheduler: the task then fails
@@ -359,8 +397,7 @@ def test_a_report_before_the_removal_fails_the_task_at_once(cluster: Cluster,
         return 1
 
     with Client(cluster.address) as client:
-        worker = next(addr for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()
-                      if w["name"] == "box-a/GPU1/0")
+        worker = wait_for_worker(client, "box-a/GPU1/0")  # restarted after an earlier kill
         future = client.submit(slow, workers=[worker], pure=False)
         while not marker.exists():
             time.sleep(0.02)
@@ -382,6 +419,7 @@ def test_sigkill_of_the_worker_command_leaves_no_process_and_no_lease(cluster: C
     a = cluster.a
     assert a.proc is not None
     pid = a.proc.pid
+    a.note_descendants()
     a.proc.kill()
     a.proc.wait()
     assert wait_until_gone(a.descendants, 20) == []

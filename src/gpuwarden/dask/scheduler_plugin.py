@@ -214,7 +214,10 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             ts.loose_restrictions = loose
             if ts.state != "no-worker":
                 continue
-            if exit_status is not None and key in executing:
+            if exit_status is not None and key in executing and ts.retries > 0:
+                ts.retries -= 1  # the caller asked for retries (submit(..., retries=N))
+                again[key] = "processing"
+            elif exit_status is not None and key in executing:
                 exc = describe_death(info, exit_status, key)
                 self.scheduler.transitions(self.scheduler.transition(
                     key, "erred", stimulus_id, cause=key, exception=dumps(exc), traceback=None,
