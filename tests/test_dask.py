@@ -76,11 +76,11 @@ class Host:
         return dask_env(GPUWARDEN_SIMULATE=str(self.scenario),
                         GPUWARDEN_LEASE_DIR=str(self.lease_dir))
 
-    def start(self, scheduler: str, *args: str) -> None:
+    def start(self, scheduler: str, *args: str, env: dict[str, str] | None = None) -> None:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuwarden", "worker", scheduler, *args],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                env={**self.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait_ready(self) -> None:
         assert self.proc is not None
@@ -315,6 +315,50 @@ def test_scheduler_gone_stops_workers_and_frees_leases(tmp_path: Path) -> None:
     finally:
         if host.proc is not None and host.proc.poll() is None:
             host.stop(signal.SIGKILL)
+        stop_process(scheduler)
+
+
+def test_a_whole_host_gone_its_task_runs_elsewhere_after_the_hold(tmp_path: Path) -> None:
+    """No nanny is left to report (the command was SIGKILLed): after the hold, Dask's own retry."""
+    scheduler, address = start_scheduler(tmp_path)
+    hosts = []
+    for name in ("box-d", "box-e"):
+        lease_dir = tmp_path / f"leases-{name}"
+        lease_dir.mkdir()
+        hosts.append(Host(name, host_scenario(tmp_path, name, name[-1] * 8), lease_dir,
+                          tmp_path / f"{name}.log"))
+    d, e = hosts
+    marker = tmp_path / "first-run.pid"
+
+    def once() -> str:
+        from distributed import get_worker
+
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+            time.sleep(60)
+        return str(get_worker().name)
+
+    try:
+        d.start(address, "--gpus", "1", env={"GPUWARDEN_DASK_HOLD_S": "1"})  # installs the plugin
+        d.wait_ready()
+        e.start(address, "--cpu")
+        e.wait_ready()
+        with Client(address) as client:
+            on_d = wait_for_worker(client, "box-d/GPU0/0")
+            future = client.submit(once, workers=[on_d], allow_other_workers=True, pure=False)
+            while not marker.exists() or not marker.read_text():
+                time.sleep(0.05)
+            assert d.proc is not None
+            d.note_descendants()
+            d.proc.kill()
+            killed_at = time.monotonic()
+            assert future.result(timeout=60) == "box-e/CPU/0"
+            assert time.monotonic() - killed_at >= 1.0  # held back first
+        assert wait_until_gone(d.descendants, 20) == []
+    finally:
+        for host in hosts:
+            if host.proc is not None and host.proc.poll() is None:
+                host.stop(signal.SIGTERM)
         stop_process(scheduler)
 
 

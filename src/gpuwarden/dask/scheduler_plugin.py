@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ log = logging.getLogger("gpuwarden.dask")
 
 PLUGIN_NAME = "gpuwarden"
 HOLD_S = 10.0  # how long a dead worker's tasks wait for its nanny's report
+HOLD_ENV = "GPUWARDEN_DASK_HOLD_S"  # read by the worker command that installs the plugin
 # A worker restriction that no worker address can match: the task waits in ``no-worker``.
 _HOLD_RESTRICTION = "gpuwarden-hold://waiting-for-the-nanny"
 
@@ -79,7 +81,9 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, hold_s: float = HOLD_S) -> None:
+    def __init__(self, hold_s: float | None = None) -> None:
+        if hold_s is None:
+            hold_s = float(os.environ.get(HOLD_ENV) or HOLD_S)
         self.hold_s = hold_s
 
     def __getstate__(self) -> dict[str, Any]:

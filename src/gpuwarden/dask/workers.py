@@ -116,7 +116,12 @@ def lease_for_workers(options: WorkerOptions, on_wait: Any = None) -> LeasedHost
 
     options.check()
     if options.cpu:
-        return LeasedHost(socket.gethostname(), ())
+        try:  # the inventory's name for this host (a simulated host has its own)
+            from gpuwarden.inventory import read_host
+
+            return LeasedHost(read_host().hostname, ())
+        except GpuwardenError:  # no NVML: CPU workers need none
+            return LeasedHost(socket.gethostname(), ())
     host_snapshot, visible = read_visible()
     if not visible:
         raise NoGPUError("no GPU is visible to this process",
