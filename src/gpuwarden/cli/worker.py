@@ -102,11 +102,12 @@ def run(args: argparse.Namespace) -> int:
         why = asyncio.run(_serve_until_signal(workers, serve, started))
     finally:
         leased.release()
+    released = f", {what} released" if leased.gpus else ""
     if why == "stopped":
-        note(f"gpuwarden: {leased.host}: workers stopped, {what} released")
+        note(f"gpuwarden: {leased.host}: workers stopped{released}")
         return EXIT_OK
     note(f"gpuwarden: {leased.host}: the scheduler at {options.scheduler_address} went away; "
-         f"workers stopped, {what} released")
+         f"workers stopped{released}")
     return 1
 
 
