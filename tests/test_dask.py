@@ -499,3 +499,17 @@ def test_local_cluster_runs_a_joblib_sweep_on_this_hosts_gpus(
     assert {(r["worker"], r["cuda_visible_devices"]) for r in results} <= {
         (name, name.split("/")[1][3:]) for name in cluster.names}
     assert list_leases(lease_dir).holders == ()
+
+
+def test_a_scheduler_that_does_not_answer_is_named() -> None:
+    import asyncio
+    import socket
+
+    from gpuwarden.dask.workers import register_scheduler_plugin
+    from gpuwarden.errors import SchedulerUnreachableError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SchedulerUnreachableError, match=f"tcp://127.0.0.1:{port} does not answer"):
+        asyncio.run(register_scheduler_plugin(f"tcp://127.0.0.1:{port}", 1.0))

@@ -23,13 +23,12 @@ from __future__ import annotations
 from gpuwarden.dask.plan import GPU_RESOURCE, WorkerSpec, plan_workers
 from gpuwarden.dask.workers import (
     LocalGPUCluster,
-    SchedulerUnreachableError,
     WorkerGroup,
     WorkerOptions,
     local_cluster,
     start_workers,
 )
-from gpuwarden.errors import DaskWorkerDiedError
+from gpuwarden.errors import DaskWorkerDiedError, SchedulerUnreachableError
 
 __all__ = [
     "GPU_RESOURCE",

@@ -30,22 +30,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuwarden.errors import GpuwardenError, NoGPUError, UsageError
+from gpuwarden.errors import GpuwardenError, NoGPUError, SchedulerUnreachableError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 
 log = logging.getLogger("gpuwarden.dask")
 
 CONNECT_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
-
-
-class SchedulerUnreachableError(GpuwardenError):
-    """The Dask scheduler named on the command line does not answer.
-
-    Usual causes: it is not started yet, a wrong address or port, a firewall between the hosts.
-    """
-
-    code = "DASK_SCHEDULER_UNREACHABLE"
 
 
 @dataclass(frozen=True)
