@@ -23,6 +23,8 @@ Tree (exit code in brackets)::
     │   └── LeaseTimeoutError     a lease wait ran out before the request was served
     ├── PoolError [1]             a GPU worker pool failed
     │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
+    │   │   └── DaskWorkerDiedError  the same for a `gpuwarden worker` Dask worker (host, GPU)
+    │   ├── SchedulerUnreachableError  `gpuwarden worker`: the Dask scheduler does not answer
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
     └── LaunchError [1]           a launch cannot start (preflight), or a job failed
         ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
@@ -51,6 +53,7 @@ GPUWARDEN_CODES = {
     "POOL_WORKER_DIED": "a pool worker process died while running a task",
     "POOL_BROKEN": "a pool cannot run tasks: its workers cannot start, or it was shut down",
     "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
+    "DASK_SCHEDULER_UNREACHABLE": "the Dask scheduler given to `gpuwarden worker` does not answer",
     # Not in failure-codes.md: DataLoader's "received 0 items of ancdata" / "Too many open files".
     "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
     "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
@@ -240,6 +243,40 @@ class WorkerDiedError(PoolError):
         self.gpu = gpu
         self.exit_status = exit_status
         self.task = task
+
+
+class DaskWorkerDiedError(WorkerDiedError):
+    """A Dask worker started by ``gpuwarden worker`` died while it ran this task.
+
+    Raised from the task's future (and so from joblib's ``dask`` backend) in place of Dask's
+    generic ``KilledWorker``; the worker's nanny reported the signal, the scheduler plugin made
+    the task fail with it. Usual causes as :class:`WorkerDiedError`. It crosses processes
+    (scheduler -> client) by pickle, with all its parts.
+    """
+
+    def __init__(self, what: str, *, host: str = "", **kwargs: Any) -> None:
+        super().__init__(what, **kwargs)
+        self.host = host
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        parts = {"why": self.why, "fix": self.fix, "evidence": list(self.evidence),
+                 "worker": self.worker, "gpu": self.gpu, "exit_status": self.exit_status,
+                 "task": self.task, "host": self.host}
+        return (_rebuild, (type(self), self.what, parts))
+
+
+def _rebuild(cls: type[GpuwardenError], what: str, parts: dict[str, Any]) -> GpuwardenError:
+    return cls(what, **parts)
+
+
+class SchedulerUnreachableError(PoolError):
+    """The Dask scheduler given to ``gpuwarden worker`` does not answer, or its workers could not
+    start there.
+
+    Usual causes: it is not started yet, a wrong address or port, a firewall between the hosts.
+    """
+
+    code = "DASK_SCHEDULER_UNREACHABLE"
 
 
 class PoolBrokenError(PoolError):

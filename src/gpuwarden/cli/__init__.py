@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
 
 # Subcommand modules, in the order `gpuwarden --help` lists them.
-COMMANDS = ("ls", "select", "launch", "run", "leases", "doctor", "explain")
+COMMANDS = ("ls", "select", "launch", "run", "leases", "worker", "doctor", "explain")
 
 
 def build_parser() -> argparse.ArgumentParser:
