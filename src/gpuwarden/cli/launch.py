@@ -150,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     report, _outcome = launch(config)
     if not report.ok or not args.quiet:
-        print(report.render(), file=sys.stderr)
+        from gpuwarden.findings import emit
+
+        emit(report.finding, sys.stderr)
     if args.json:
         from gpuwarden.cli._output import emit_json
 
