@@ -25,7 +25,9 @@ def add_parser(sub: Any) -> None:
         "other codes seen, the evidence lines with their numbers, why it happened and what "
         "to do. When nothing matches, the answer is NONE: gpuwarden says it does not know.",
         epilog="Exit codes: 0 a failure code was found, 1 NONE (no known failure), "
-        "2 unreadable input (missing file, a directory, binary data).",
+        "2 unreadable input (missing file, a directory, binary data). The codes, their causes, "
+        "fixes and signatures: docs/failure-codes.md in the repository (generated from the "
+        "knowledge base), or `gpuwarden explain --codes`.",
     )
     p.add_argument("file", nargs="?", default="-", metavar="FILE",
                    help="the log to read; '-' or nothing reads stdin")
@@ -33,6 +35,9 @@ def add_parser(sub: Any) -> None:
                    help="machine-readable output (schema_version 1)")
     p.add_argument("--knowledge", metavar="TOML", default=None,
                    help="use this knowledge base instead of the one shipped with gpuwarden")
+    p.add_argument("--codes", action="store_true",
+                   help="print the failure-code reference (docs/failure-codes.md, Markdown) of "
+                   "the knowledge base and exit")
     p.set_defaults(run=run)
 
 
@@ -41,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.findings import emit
 
     kb = load_knowledge(args.knowledge) if args.knowledge else None
+    if args.codes:
+        from gpuwarden.explain.reference import failure_codes_markdown
+
+        sys.stdout.write(failure_codes_markdown(kb))
+        return EXIT_FOUND
     diag = explain_file(args.file, kb)
     if args.json:
         emit_json(diag.to_dict())
