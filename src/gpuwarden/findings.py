@@ -181,7 +181,9 @@ def render_rich(finding: Finding, stream: TextIO, *, head: str | None = None,
             console.print(f"{indent}  {escape(line)}", style="dim")
 
 
-def is_terminal(stream: TextIO) -> bool:
+def is_terminal(stream: TextIO | None = None) -> bool:
+    """Whether ``stream`` (default stdout) is a terminal: rich output there, plain when piped."""
+    stream = sys.stdout if stream is None else stream
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
