@@ -103,6 +103,10 @@ def test_an_error_is_a_finding_with_its_exit_code() -> None:
     assert exc.to_dict() == {**exc.finding.to_dict(), "exit_code": 1}
     usage = UsageError("--gpus 'x' is neither a number nor 'all'", fix="--gpus 2")
     assert usage.render() == "error[USAGE]: --gpus 'x' is neither a number nor 'all'; fix: --gpus 2"
+    for err in (exc, usage):  # what the CLI prints on stderr when piped
+        piped = io.StringIO()
+        err.emit(piped)
+        assert piped.getvalue() == err.render() + "\n"
     died = WorkerDiedError("worker 1 died", worker="w1", gpu="GPU 3", exit_status="SIGKILL(-9)",
                            task="f(1)", fields={"pid": 77})
     assert died.to_dict()["fields"] == {"pid": 77, "worker": "w1", "gpu": "GPU 3",

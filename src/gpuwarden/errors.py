@@ -36,9 +36,9 @@ with ``raise ... from``, so the original is kept as ``__cause__``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
-from gpuwarden.findings import Finding, render_one_line, render_plain
+from gpuwarden.findings import Finding, emit, render_one_line, render_plain
 
 # gpuwarden's own codes, beside the failure vocabulary of failure-codes.md.
 GPUWARDEN_CODES = {
@@ -119,12 +119,19 @@ class GpuwardenError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {**self.finding.to_dict(), "exit_code": self.exit_code}
 
+    def emit(self, stream: TextIO) -> None:
+        """Print the report to ``stream``: coloured on a terminal, :meth:`render` when piped."""
+        emit(self.finding, stream)
+
 
 class _OneLine(GpuwardenError):
     """Errors about the setup rather than a run: one line with the fix, no evidence block."""
 
     def render(self) -> str:
         return render_one_line(self.finding)
+
+    def emit(self, stream: TextIO) -> None:
+        stream.write(self.render() + "\n")
 
 
 class UsageError(_OneLine):

@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except GpuwardenError as exc:
-        print(exc.render(), file=sys.stderr)
+        exc.emit(sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
