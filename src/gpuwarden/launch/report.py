@@ -239,6 +239,8 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
                               "returncode": root.returncode, "after_s": round(after, 3)}
     if root.returncode < 0:
         fields["signal"] = signal_name(-root.returncode)
+    if err:
+        fields["exception"] = err.get("type")
     return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
                         root.rank, fields)
 
