@@ -67,7 +67,7 @@ def _entry(e: CodeEntry) -> list[str]:
     for sig in e.signatures:
         notes = [f"confidence {sig.confidence:.2f}"]
         if sig.requires:
-            notes.append(f"only in a log that shows {sig.requires.replace('_', '.')}")
+            notes.append(f"only in a log that shows [{sig.requires}](#contexts)")
         if sig.supporting:
             notes.append("supporting evidence only")
         lines.append(f"  - {_code_span(sig.pattern.pattern)} ({', '.join(notes)})")
@@ -104,6 +104,12 @@ def failure_codes_markdown(kb: KnowledgeBase | None = None) -> str:
     out += ["### NONE", "", f"{NONE_FINDING.what[0].upper()}{NONE_FINDING.what[1:]} "
             "(`gpuwarden explain` exits 1).", "",
             f"- **Cause:** {NONE_FINDING.why}", f"- **Fix:** {NONE_FINDING.fix}", "",
+            "### Contexts", "",
+            "A signature marked \"only in a log that shows\" a context counts only when the log "
+            "also holds one of the context's words (case-insensitive) somewhere: \"Connection "
+            "refused\" from pip is no rendezvous failure.", "",
+            *(f"- **{name}:** {', '.join(_code_span(w) for w in words)}"
+              for name, words in kb.contexts.items()), "",
             "## gpuwarden's own codes", "",
             "Raised as an exception of `gpuwarden.errors` (the CLI prints it and exits with its "
             "exit code: 1 failure, 2 usage or bad input, 3 no GPU/NVML, 4 constraint not met), "
