@@ -109,10 +109,11 @@ def test_story3_fixed_on_the_simulated_busy_host(cpu: dict[str, catalog.Outcome]
     assert "GPU 1: refused: exclusive_process mode, held by pid 5151 (carol" in out, show(outcome)
     assert "error[SELECT_UNSATISFIED]: 1 GPU(s) requested, 0 of 4 usable" in out
     assert "GPU 2: ok: 61.2 GiB free, 31% utilization, shared with 1 process(es)" in out
-    # the OOM's pids joined with the inventory: users and commands by name
+    # the OOM's pids (explain's typed fields, not its rendered text) joined with the
+    # inventory: users and commands by name
     assert "explain: CUDA_OOM" in out
-    assert "pid 4242 holds 70.05 GiB on GPU 0: user bob, python train_llm.py" in out
-    assert "pid 6161 holds 7.50 GiB on GPU 0: user dave" in out
+    assert "pid 4242 holds 70.0 GiB on GPU 0: user bob, python train_llm.py" in out
+    assert "pid 6161 holds 7.5 GiB on GPU 0: user dave" in out
     # the second job waits in line for the shared GPU the first one leased
     assert "leased GPU 2 after" in out and "waited in line" in out
 

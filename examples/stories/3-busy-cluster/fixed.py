@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -53,6 +52,7 @@ def show(title: str, argv: list[str], env: dict[str, str], expect_exit: set[int]
 def holders(oom_text: str, env: dict[str, str]) -> tuple[str, list[str]]:
     """explain's code for an OOM message, and whose processes its 'Process P has M' lines are."""
     from gpuwarden.inventory import read_host
+    from gpuwarden.units import format_bytes
 
     host = read_host(env)  # now, while the holders still run
     from gpuwarden.explain import explain_text
@@ -60,11 +60,9 @@ def holders(oom_text: str, env: dict[str, str]) -> tuple[str, list[str]]:
     primary = explain_text(oom_text).primary
     by_pid = {p.pid: (gpu.index, p) for gpu in host.gpus for p in gpu.processes}
     lines = []
-    for detail in primary.details:
-        m = re.search(r"process (\d+) has (\S+ \S+) in use", detail)
-        if not m:
-            continue
-        pid, mem = int(m.group(1)), m.group(2)
+    # explain's typed evidence: one record per process the OOM message names
+    for record in primary.fields.get("processes", []):
+        pid, mem = record["pid"], format_bytes(record.get("bytes"))
         if pid in by_pid:
             index, proc = by_pid[pid]
             lines.append(f"pid {pid} holds {mem} on GPU {index}: user {proc.user or '?'}, "

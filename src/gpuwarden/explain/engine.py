@@ -19,7 +19,14 @@ Root cause over echoes: every code found has a first line (and the rank that
 printed it). A code listed in the ``echo_of`` of another code found in the
 same log is an echo (the other ranks' watchdog timeouts, "worker exited
 unexpectedly" after a worker's own error); the primary code is the earliest
-code that is not an echo.
+code that is not an echo. A *generic* code (a rank's own exception, RANK_FAILED)
+only counts on lines no other code explains and is the root cause only when no
+specific code was found.
+
+Evidence as fields: the named groups of signatures and details become the
+finding's ``fields`` (pid, rank, gpu, host, port, bytes, the failing exception
+and its frame...), typed (numbers, bytes as integers), so callers need not parse
+the rendered text.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwarden import findings
+from gpuwarden.errors import UsageError
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
 from gpuwarden.explain.prefilter import BLOCK_BYTES, PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
 from gpuwarden.findings import EvidenceLine
+from gpuwarden.units import parse_size
 
 # BLOCK_BYTES (from prefilter, whose anchor cost model is tuned to it): the read size;
 # a block is cut back to its last newline.
@@ -42,6 +51,9 @@ EVIDENCE_SHOWN = 6               # lines reported per code
 DETAILS_KEPT = 8
 RANKS_KEPT = 64
 EVIDENCE_CHARS = 400             # an evidence line is cut around its match beyond this
+FIELD_RECORDS_KEPT = 16          # records per list field (the processes of an OOM message)
+VALUES_KEPT = 8                  # values remembered per `distinct` signature
+FRAMES_KEPT = 256                # ranks whose last traceback frame is remembered
 REPLAN_BLOCKS = 16               # re-choose the prefilter's anchors this often (logs change)
 
 NONE_CODE = "NONE"
@@ -58,6 +70,28 @@ _RANK_PREFIXES = (
 )
 # In the message itself, NCCL/c10d say "[Rank 3]" or "[PG 1 Rank 3]".
 _RANK_IN_MESSAGE = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d+)\]")
+# A Python traceback frame; the last one a rank printed before its exception is
+# where it failed. Lines are found by this keyword (lower-cased, as the prefilter sees them).
+_FRAME_KEYWORD = b'file "'
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+# Field names whose values are numbers; names ending in "bytes" hold sizes ("2.00 GiB"),
+# stored as integers; any other field is text.
+_INT_FIELDS = frozenset({"pid", "rank", "other_rank", "local_rank", "gpu", "port", "exitcode",
+                         "xid", "seq", "world_size", "worker_count", "worker"})
+
+
+def field_value(name: str, raw: str) -> Any:
+    """A captured group as a field value: an int for numeric names and sizes, else text."""
+    raw = raw.strip()
+    try:
+        if name in _INT_FIELDS:
+            return int(raw)
+        if name == "bytes" or name.endswith("_bytes"):
+            return parse_size(raw, what=name)
+    except (ValueError, UsageError):
+        pass
+    return raw
 
 
 def strip_ansi(text: str) -> str:
@@ -89,6 +123,9 @@ class Finding(findings.Finding):
     ranks: list[int] = field(default_factory=list)
     matches: int = 0
     echo: bool = False  # another code seen in the same log is the root cause of this one
+    # Typed evidence (pid, rank, gpu, host, port, bytes, exception, frame...): what the
+    # details say, for programs (`explain --json`, the launcher, scripts).
+    fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def title(self) -> str:
@@ -160,6 +197,8 @@ class _CodeState:
     counts: list[int]               # per signature: how many lines matched
     details: dict[str, None] = field(default_factory=dict)   # ordered set
     ranks: dict[int, None] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
+    values: dict[int, set[str]] = field(default_factory=dict)  # per `distinct` signature
 
 
 def _cut(text: str, start: int) -> str:
@@ -193,6 +232,10 @@ class Explainer:
                 table.setdefault(kw.encode(), (set(), set()))[1].add(name)
         self._needles = [(kw, tuple(sorted(codes)), frozenset(ctx))
                          for kw, (codes, ctx) in table.items()]
+        # traceback frames are looked for only where a code can name the failing frame
+        self._frame_needle = len(self._needles)
+        self._needles.append((_FRAME_KEYWORD, (), frozenset()))
+        self._last_frame: dict[int | None, str] = {}
         self._contexts_seen: set[str] = set()
         self._plan: list[tuple[bytes, tuple[int, ...]]] | None = None
         self._blocks_since_plan = 0
@@ -234,7 +277,7 @@ class Explainer:
     # -- scanning ----------------------------------------------------------------
     def _needed(self, k: int) -> bool:
         _, code_ids, ctx = self._needles[k]
-        return bool(code_ids) or not ctx <= self._contexts_seen
+        return bool(code_ids) or k == self._frame_needle or not ctx <= self._contexts_seen
 
     def _scan(self, block: bytes) -> None:
         self._bytes += len(block)
@@ -253,6 +296,7 @@ class Explainer:
             self._blocks_since_plan += 1
             plan = self._plan
         wanted: dict[int, set[int]] = {}   # line start offset -> code indices
+        frames: set[int] = set()           # line start offsets of traceback frames
         contexts_before = len(self._contexts_seen)
         for anchor, members in plan:
             i = low.find(anchor)
@@ -265,6 +309,8 @@ class Explainer:
                     if needle in line:
                         if code_ids:
                             wanted.setdefault(start, set()).update(code_ids)
+                        elif k == self._frame_needle:
+                            frames.add(start)
                         self._contexts_seen |= ctx
                 if end < 0:
                     break
@@ -273,15 +319,28 @@ class Explainer:
             self._plan = None  # a context is proven: its keywords need no more looking for
         line_no = self._lines + 1
         pos = 0
-        for start in sorted(wanted):
+        for start in sorted(wanted.keys() | frames):
             line_no += block.count(b"\n", pos, start)
             pos = start
             end = block.find(b"\n", start)
             raw = block[start:] if end < 0 else block[start:end]
-            self._match_line(raw, line_no, wanted[start])
+            if start in frames:
+                self._note_frame(raw)
+            if start in wanted:
+                self._match_line(raw, line_no, wanted[start])
         newlines = block.count(b"\n")
         self._lines += newlines
         self._partial = not block.endswith(b"\n")
+
+    def _note_frame(self, raw: bytes) -> None:
+        text = strip_ansi(raw.decode("utf-8", "replace"))
+        m = _FRAME.search(text)
+        if not m:
+            return
+        rank = rank_of(text)
+        if rank not in self._last_frame and len(self._last_frame) >= FRAMES_KEPT:
+            self._last_frame.clear()
+        self._last_frame[rank] = f"{m.group('file')}:{m.group('line')} in {m.group('func')}"
 
     def _match_line(self, raw: bytes, line_no: int, code_ids: set[int]) -> None:
         text = strip_ansi(raw.decode("utf-8", "replace")).rstrip("\r")
@@ -289,20 +348,31 @@ class Explainer:
         text = text.replace("\r", " ⏎ ")
         rank: int | None = None
         rank_known = False
-        for ci in code_ids:
-            entry = self._kb.entries[ci]
+        explained = False  # a specific code identified this line: generic codes skip it
+        entries = self._kb.entries
+        for ci in sorted(code_ids, key=lambda c: (entries[c].generic, c)):
+            entry = entries[ci]
+            if entry.generic and explained:
+                continue
             state = self._states[ci]
             for si, sig in enumerate(entry.signatures):
                 m = sig.pattern.search(text)
-                if not m:
+                if not m or (sig.greater and not _greater(m, *sig.greater)):
                     continue
                 if not rank_known:
                     rank, rank_known = rank_of(text), True
+                if not sig.supporting:
+                    explained = True
                 state.counts[si] += 1
                 if len(state.hits[si]) < EVIDENCE_PER_SIGNATURE:
                     state.hits[si].append(_Hit(line_no, _cut(text, m.start()), rank))
                 if rank is not None and len(state.ranks) < RANKS_KEPT:
                     state.ranks[rank] = None
+                if sig.distinct is not None:
+                    seen = state.values.setdefault(si, set())
+                    if len(seen) < VALUES_KEPT:
+                        seen.add(m.group(sig.distinct))
+                self._take_fields(state, m, rank, last=False)
             for detail in entry.details:
                 if len(state.details) >= DETAILS_KEPT:
                     break
@@ -314,6 +384,24 @@ class Explainer:
                     if rank is not None:  # several ranks say different things: name them
                         said = f"rank {rank}: {said}"
                     state.details[said] = None
+                    if detail.collect is not None:
+                        records = state.fields.setdefault(detail.collect, [])
+                        if len(records) < FIELD_RECORDS_KEPT:
+                            records.append({k: field_value(k, v)
+                                            for k, v in dm.groupdict().items() if v is not None})
+                    else:
+                        self._take_fields(state, dm, rank, last=detail.last)
+
+    def _take_fields(self, state: _CodeState, m: re.Match[str], rank: int | None,
+                     *, last: bool) -> None:
+        for name, value in m.groupdict().items():
+            if value is None or (name in state.fields and not last):
+                continue
+            state.fields[name] = field_value(name, value)
+            if name == "exception" and "frame" not in state.fields:
+                frame = self._last_frame.get(rank)
+                if frame is not None:
+                    state.fields["frame"] = frame
 
     # -- result ------------------------------------------------------------------
     def result(self) -> Diagnosis:
@@ -335,6 +423,8 @@ class Explainer:
                 continue
             if sig.requires is not None and sig.requires not in self._contexts_seen:
                 continue
+            if sig.distinct is not None and len(state.values.get(si, ())) < 2:
+                continue
             valid.append(si)
         identifying = [si for si in valid if not entry.signatures[si].supporting]
         if not identifying:
@@ -353,12 +443,26 @@ class Explainer:
         best = max(entry.signatures[si].confidence for si in identifying)
         # Several independent signatures agreeing make the call firmer, never certain.
         confidence = round(min(0.99, best + 0.02 * (len(identifying) - 1)), 2)
+        fields = dict(state.fields)
+        first_rank = first.rank
+        if first_rank is None:  # "rank : 3 (local_rank: 3)", "local_rank: 3 (pid: ...)"
+            named = fields.get("rank", fields.get("local_rank"))
+            first_rank = named if isinstance(named, int) else None
+        if first_rank is not None:
+            fields.setdefault("rank", first_rank)
         return Finding(
             code=entry.code, what=entry.title, confidence=confidence, why=entry.why,
             fix=entry.fix, next=entry.next, evidence=evidence, details=list(state.details),
-            first_line=first.line, first_rank=first.rank, ranks=sorted(state.ranks),
-            matches=sum(state.counts[si] for si in valid),
+            first_line=first.line, first_rank=first_rank, ranks=sorted(state.ranks),
+            matches=sum(state.counts[si] for si in valid), fields=fields,
         )
+
+
+def _greater(m: re.Match[str], a: str, b: str) -> bool:
+    try:
+        return int(m.group(a)) > int(m.group(b))
+    except (TypeError, ValueError):
+        return False
 
 
 def _is_echo(f: Finding, found: list[Finding], kb: KnowledgeBase) -> bool:
@@ -385,6 +489,8 @@ def rank_findings(findings: list[Finding], *, lines_read: int, bytes_read: int,
         return Diagnosis(NONE_FINDING, [], lines_read, bytes_read, source)
     echoes = {f.code for f in findings if _is_echo(f, findings, kb)}
     pool = [f for f in findings if f.code not in echoes] or findings
+    # a rank's bare exception is the answer only when nothing more specific explains the log
+    pool = [f for f in pool if not kb.entry(f.code).generic] or pool
 
     def order(f: Finding) -> tuple[int, float]:
         return (f.first_line if f.first_line is not None else 1 << 62, -f.confidence)

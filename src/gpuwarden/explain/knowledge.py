@@ -42,6 +42,12 @@ class Signature:
     # Evidence only: adds its line to a code already identified by another signature
     # (NCCL's bare "unhandled system error" says nothing by itself).
     supporting: bool
+    # ("a", "b"): the line only counts when the number captured as group a is larger
+    # than group b ("worker_count=8" against "world_size=4").
+    greater: tuple[str, str] | None = None
+    # A group name: the signature only counts once that group took two different
+    # values over the log (two ranks printing different "NCCL version" lines).
+    distinct: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,12 @@ class Detail:
 
     pattern: re.Pattern[str]
     say: str
+    # Its named groups also become fields of the finding (see FIELD_KINDS); with
+    # ``collect`` they are appended as one record to the list field of that name
+    # (each process an OOM message names), else the first value of a field stays,
+    # or the last one with ``last`` (torchrun prints the root cause after the others).
+    collect: str | None = None
+    last: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,9 @@ class CodeEntry:
     signatures: tuple[Signature, ...]
     details: tuple[Detail, ...]
     echo_of: frozenset[str]
+    # A catch-all (a rank's own exception): it only counts on lines no other code
+    # explains, and it is the root cause only when no specific code was found.
+    generic: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,9 +97,10 @@ class KnowledgeBase:
         return tuple(e.code for e in self.entries)
 
 
-_CODE_KEYS = {"code", "title", "why", "fix", "next", "keywords", "signatures", "details", "echo_of"}
-_SIG_KEYS = {"pattern", "confidence", "requires", "supporting"}
-_DETAIL_KEYS = {"pattern", "say"}
+_CODE_KEYS = {"code", "title", "why", "fix", "next", "keywords", "signatures", "details", "echo_of",
+              "generic"}
+_SIG_KEYS = {"pattern", "confidence", "requires", "supporting", "greater", "distinct"}
+_DETAIL_KEYS = {"pattern", "say", "collect", "last"}
 
 
 def _fail(where: str, problem: str) -> KnowledgeBaseError:
@@ -132,8 +148,17 @@ def _parse_entry(raw: Any, index: int, contexts: Mapping[str, tuple[str, ...]]) 
         requires = s.get("requires")
         if requires is not None and requires not in contexts:
             raise _fail(sw, f"'requires' names context {requires!r}, which [contexts] lacks")
-        sigs.append(Signature(_compile(s.get("pattern"), sw), float(confidence), requires,
-                              bool(s.get("supporting", False))))
+        pattern = _compile(s.get("pattern"), sw)
+        greater = s.get("greater")
+        if greater is not None and (not isinstance(greater, list) or len(greater) != 2
+                                    or not all(g in pattern.groupindex for g in greater)):
+            raise _fail(sw, "'greater' must name two groups of the pattern")
+        distinct = s.get("distinct")
+        if distinct is not None and distinct not in pattern.groupindex:
+            raise _fail(sw, "'distinct' must name a group of the pattern")
+        sigs.append(Signature(pattern, float(confidence), requires,
+                              bool(s.get("supporting", False)),
+                              tuple(greater) if greater else None, distinct))
     if not any(not s.supporting for s in sigs):
         raise _fail(where, "needs at least one signature that is not 'supporting'")
     details: list[Detail] = []
@@ -147,7 +172,10 @@ def _parse_entry(raw: Any, index: int, contexts: Mapping[str, tuple[str, ...]]) 
             say.format(**{name: "x" for name in pattern.groupindex})
         except (KeyError, IndexError, ValueError) as exc:
             raise _fail(dw, f"'say' uses a name the pattern does not capture: {exc}") from exc
-        details.append(Detail(pattern, say))
+        collect = d.get("collect")
+        if collect is not None and (not isinstance(collect, str) or not collect):
+            raise _fail(dw, "'collect' must be a field name")
+        details.append(Detail(pattern, say, collect, bool(d.get("last", False))))
     echo_of = raw.get("echo_of", [])
     if not isinstance(echo_of, list) or not all(isinstance(c, str) for c in echo_of):
         raise _fail(where, "'echo_of' must be a list of codes")
@@ -155,7 +183,7 @@ def _parse_entry(raw: Any, index: int, contexts: Mapping[str, tuple[str, ...]]) 
         code=code, title=_str(raw, "title", where), why=_str(raw, "why", where),
         fix=_str(raw, "fix", where), next=_str(raw, "next", where, required=False),
         keywords=tuple(keywords), signatures=tuple(sigs), details=tuple(details),
-        echo_of=frozenset(echo_of),
+        echo_of=frozenset(echo_of), generic=bool(raw.get("generic", False)),
     )
 
 

@@ -14,43 +14,80 @@ every keyword is always covered by some anchor it contains.
 from __future__ import annotations
 
 import functools
+import heapq
+from collections import Counter
 from collections.abc import Sequence
 
-ANCHOR_LENGTHS = (3, 4)        # substrings of keywords considered as anchors
+ANCHOR_LENGTHS = (2, 3, 4)     # substrings of keywords considered as anchors
 SAMPLE_BYTES = 32 << 10        # how much of a block the choice is made on
 PLAN_MIN_BYTES = 1 << 20       # smaller blocks are searched for every keyword directly
 # Cost model, in units of "one pass of bytes.find over a block": a line an anchor hits
 # costs a few microseconds of Python (cut the line, check its keywords), about a
 # thousandth of a pass over a 4 MiB block.
 HIT_COST = 1e-3
+# A pass looking for a short substring costs more than one for a long one (bytes.find
+# skips ahead by the needle's length): measured per 4 MiB block relative to 4 bytes.
+PASS_COST = {1: 1.6, 2: 1.5, 3: 1.2, 4: 1.0, 5: 0.86, 6: 0.8}
 BLOCK_BYTES = 4 << 20         # the engine's read size (engine.BLOCK_BYTES is this one)
 BLOCK_OVER_SAMPLE = BLOCK_BYTES / SAMPLE_BYTES
 
 
-@functools.lru_cache(maxsize=8)
-def _candidates(keywords: tuple[bytes, ...]) -> dict[bytes, frozenset[int]]:
-    """Every substring of ANCHOR_LENGTHS of the keywords, with the keywords containing it."""
-    grams: set[bytes] = set()
-    for kw in keywords:
-        if len(kw) <= min(ANCHOR_LENGTHS):
-            grams.add(kw)
+@functools.lru_cache(maxsize=4)
+def _candidates(keywords: tuple[bytes, ...]) -> dict[bytes, int]:
+    """Every substring of ANCHOR_LENGTHS of the keywords, with the keywords containing it.
+
+    The keywords a gram covers are a bit set (bit k: keyword k): a few thousand grams
+    stay a few hundred KiB.
+    """
+    covers: dict[bytes, int] = {}
+    for k, kw in enumerate(keywords):
+        grams = {kw} if len(kw) <= min(ANCHOR_LENGTHS) else set()
         for n in ANCHOR_LENGTHS:
             grams.update(kw[i:i + n] for i in range(len(kw) - n + 1))
-    return {g: frozenset(k for k, kw in enumerate(keywords) if g in kw) for g in grams}
+        for gram in grams:
+            covers[gram] = covers.get(gram, 0) | (1 << k)
+    # A two-byte gram is only worth a pass when it stands for several keywords (it is
+    # common in text); keeping the lone ones would only slow the choice down.
+    shortest = min(ANCHOR_LENGTHS)
+    return {g: ks for g, ks in covers.items()
+            if len(g) > shortest or ks & (ks - 1) or g in keywords}
 
 
 def plan_anchors(keywords: Sequence[bytes], sample: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
     """Anchors covering ``keywords`` (lower-case bytes), each with the keyword indices it checks.
 
     Every keyword contains its anchor, so a line holding the keyword holds the anchor.
+    The greedy choice is evaluated lazily (a gram's worth only falls as keywords get
+    covered), so choosing costs little more than counting the grams in the sample.
     """
     covers = _candidates(tuple(keywords))
-    cost = {gram: 1.0 + sample.count(gram) * BLOCK_OVER_SAMPLE * HIT_COST for gram in covers}
-    uncovered = set(range(len(keywords)))
+    uncovered = (1 << len(keywords)) - 1
+
+    # how often each gram occurs in the sample, counted in one pass per gram length
+    # (only candidates are kept: every gram of the sample would cost megabytes)
+    seen: Counter[bytes] = Counter()
+    for n in {len(g) for g in covers}:
+        seen.update(g for g in (sample[i:i + n] for i in range(len(sample) - n + 1))
+                    if g in covers)
+    cost = {gram: PASS_COST.get(len(gram), 0.75) + seen[gram] * BLOCK_OVER_SAMPLE * HIT_COST
+            for gram in covers}
+
+    def key(gram: bytes) -> tuple[float, int, tuple[int, ...]]:
+        """Heap order like ``max``: most keywords per cost, then longer, then larger bytes."""
+        worth = bin(covers[gram] & uncovered).count("1") / cost[gram]
+        return (-worth, -len(gram), tuple(-b for b in gram))
+
+    heap = [(key(g), g) for g in covers]  # a popped key may be stale: worth only falls
+    heapq.heapify(heap)
     plan: list[tuple[bytes, tuple[int, ...]]] = []
-    while uncovered:
-        gram = max(covers, key=lambda g: (len(covers[g] & uncovered) / cost[g], len(g), g))
+    while uncovered and heap:
+        _, gram = heapq.heappop(heap)
+        fresh = key(gram)
+        if heap and fresh > heap[0][0]:  # worth less now than the next: look again later
+            heapq.heappush(heap, (fresh, gram))
+            continue
         members = covers[gram] & uncovered
-        plan.append((gram, tuple(sorted(members))))
-        uncovered -= members
+        if members:
+            plan.append((gram, tuple(k for k in range(len(keywords)) if members >> k & 1)))
+            uncovered &= ~members
     return plan

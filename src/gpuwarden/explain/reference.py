@@ -56,6 +56,9 @@ def _entry(e: CodeEntry) -> list[str]:
              f"- **Cause:** {e.why}", f"- **Fix:** {e.fix}"]
     if e.next:
         lines.append(f"- **Look at next:** {e.next}")
+    if e.generic:
+        lines.append("- **Catch-all:** counts only on lines no other code explains, and is the "
+                     "root cause only when no more specific code was found in the log")
     if e.echo_of:
         named = sorted(e.echo_of - {ANY_CODE})
         said = [f"[{c}](#{c.lower()})" for c in named]
@@ -63,6 +66,9 @@ def _entry(e: CodeEntry) -> list[str]:
             said.append("any other failure seen in the same log")
         lines.append(f"- **An echo of:** {', '.join(said)} — when one of those is also in the "
                      "log, it is the root cause and this code is listed as an echo")
+    names = _field_names(e)
+    if names:
+        lines.append(f"- **Fields** (`--json` `fields`): {', '.join(f'`{n}`' for n in names)}")
     lines.append("- **Recognised by:**")
     for sig in e.signatures:
         notes = [f"confidence {sig.confidence:.2f}"]
@@ -70,8 +76,28 @@ def _entry(e: CodeEntry) -> list[str]:
             notes.append(f"only in a log that shows [{sig.requires}](#contexts)")
         if sig.supporting:
             notes.append("supporting evidence only")
+        if sig.greater:
+            notes.append(f"only when {sig.greater[0]} > {sig.greater[1]}")
+        if sig.distinct:
+            notes.append(f"only once {sig.distinct} took two different values in the log")
         lines.append(f"  - {_code_span(sig.pattern.pattern)} ({', '.join(notes)})")
     return [*lines, ""]
+
+
+def _field_names(e: CodeEntry) -> list[str]:
+    """The ``fields`` a finding of ``e`` can carry: the named groups of its signatures and
+    details (``collect`` details make one list field of records), plus rank and frame."""
+    names: dict[str, None] = {}
+    for sig in e.signatures:
+        names.update(dict.fromkeys(sig.pattern.groupindex))
+    for d in e.details:
+        if d.collect is not None:
+            names[f"{d.collect}[{', '.join(d.pattern.groupindex)}]"] = None
+        else:
+            names.update(dict.fromkeys(d.pattern.groupindex))
+    if "exception" in names:
+        names["frame"] = None  # the rank's last traceback frame before its exception
+    return list(names)
 
 
 def _raised_as() -> dict[str, list[type[errors.GpuwardenError]]]:

@@ -241,6 +241,8 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         fields["signal"] = signal_name(-root.returncode)
     if err:
         fields["exception"] = err.get("type")
+    if diag is not None and diag.fields:
+        fields["explain"] = dict(diag.fields)  # what explain read in the rank's output (typed)
     return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
                         root.rank, fields)
 
