@@ -51,8 +51,11 @@ def validate(doc: dict[str, Any], rc: int) -> dict[str, dict[str, Any]]:
     ids = [c["id"] for c in doc["checks"]]
     assert len(ids) == len(set(ids))
     for c in doc["checks"]:
-        assert set(c) == {"id", "code", "status", "what", "why", "fix", "evidence"}
+        # the common finding's keys (gpuwarden.findings), plus the check's id and status
+        assert set(c) == {"id", "code", "status", "severity", "what", "why", "fix", "evidence",
+                          "details", "next", "sections", "fields"}
         assert c["status"] in RANK
+        assert c["severity"] == {"fail": "error", "warn": "warning"}.get(c["status"], "ok")
         assert c["code"] in FAILURE_CODES or c["code"] in GPUWARDEN_CODES, c["code"]
         assert isinstance(c["what"], str) and c["what"]
         assert c["why"] is None or isinstance(c["why"], str)

@@ -168,11 +168,15 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
 
 @pytest.mark.timeout(60)
 def test_echo_in_peer_is_not_blamed(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = launch(capsys, "-n", "2", str(SCRIPTS / "gloo_raise.py"))
+    code, out, err = launch(capsys, "-n", "2", "--json", str(SCRIPTS / "gloo_raise.py"))
     assert code == 1
     report = err[err.index("error["):]
     assert "rank 1 failed first: RuntimeError: CUDA out of memory" in report
     assert report.startswith("error[CUDA_OOM]")  # the explain knowledge base names the code
+    # the same root cause as data: the rank's exit, and what explain read in its output
+    fields = json.loads(out)["report"]["fields"]
+    assert (fields["rank"], fields["exception"], fields["returncode"]) == (1, "RuntimeError", 1)
+    assert fields["explain"]["requested_bytes"] == 2 * 1024**3
 
 
 @pytest.mark.timeout(60)

@@ -255,7 +255,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         if not report.ok:
             raise SpawnError(report.what, why=report.why, fix=report.fix,
                              evidence=[*report.evidence, *(f"{h}: {' | '.join(b[:6])}" for h, b in report.sections)],
-                             code=report.code)
+                             code=report.code, fields=report.fields)
         results = []
         for rank in range(nprocs):
             with open(os.path.join(work, f"rank{rank}.result.pkl"), "rb") as f:

@@ -37,8 +37,10 @@ with ``raise ... from``, so the original is kept as ``__cause__``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from gpuwarden.findings import Finding, emit, render_one_line, render_plain
 
 # gpuwarden's own codes, beside the failure vocabulary of failure-codes.md.
 GPUWARDEN_CODES = {
@@ -74,7 +76,12 @@ EXIT_CONSTRAINT = 4
 
 
 class GpuwardenError(Exception):
-    """Base of every gpuwarden error: what, why, fix, evidence, code, exit code."""
+    """Base of every gpuwarden error: what, why, fix, evidence, code, exit code.
+
+    :attr:`finding` is the error as a :class:`~gpuwarden.findings.Finding`, the type every
+    report of gpuwarden shares; :meth:`render` and :meth:`to_dict` are that finding's.
+    ``fields`` carries the evidence as data (pid, rank, gpu, host, port ...) for ``--json``.
+    """
 
     code: str = "INTERNAL"
     exit_code: int = EXIT_FAILURE
@@ -87,6 +94,7 @@ class GpuwardenError(Exception):
         fix: str | None = None,
         evidence: str | Sequence[str] | None = None,
         code: str | None = None,
+        fields: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(what)
         self.what = what
@@ -100,39 +108,33 @@ class GpuwardenError(Exception):
             self.evidence = tuple(evidence)
         if code is not None:
             self.code = code
+        self.fields: dict[str, Any] = dict(fields or {})
+
+    @property
+    def finding(self) -> Finding:
+        return Finding(code=self.code, what=self.what, why=self.why, fix=self.fix,
+                       evidence=self.evidence, fields=self.fields)
 
     def render(self) -> str:
         """The multi-line report of STYLE.md: ``error[CODE]: what`` then why/fix/evidence."""
-        lines = [f"error[{self.code}]: {self.what}"]
-        if self.why:
-            lines.append(f"  why: {self.why}")
-        if self.fix:
-            lines.append(f"  fix: {self.fix}")
-        for item in self.evidence:
-            lines.append(f"  evidence: {item}")
-        return "\n".join(lines)
+        return render_plain(self.finding)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "what": self.what,
-            "why": self.why,
-            "fix": self.fix,
-            "evidence": list(self.evidence),
-            "exit_code": self.exit_code,
-        }
+        return {**self.finding.to_dict(), "exit_code": self.exit_code}
+
+    def emit(self, stream: TextIO) -> None:
+        """Print the report to ``stream``: coloured on a terminal, :meth:`render` when piped."""
+        emit(self.finding, stream)
 
 
 class _OneLine(GpuwardenError):
     """Errors about the setup rather than a run: one line with the fix, no evidence block."""
 
     def render(self) -> str:
-        line = f"error[{self.code}]: {self.what}"
-        if self.why:
-            line += f" ({self.why})"
-        if self.fix:
-            line += f"; fix: {self.fix}"
-        return line
+        return render_one_line(self.finding)
+
+    def emit(self, stream: TextIO) -> None:
+        stream.write(self.render() + "\n")
 
 
 class UsageError(_OneLine):
@@ -243,6 +245,8 @@ class WorkerDiedError(PoolError):
         self.gpu = gpu
         self.exit_status = exit_status
         self.task = task
+        self.fields.update({k: v for k, v in (("worker", worker), ("gpu", gpu),
+                                              ("exit", exit_status), ("task", task)) if v})
 
 
 class DaskWorkerDiedError(WorkerDiedError):

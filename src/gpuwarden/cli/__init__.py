@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         "leases, a torchrun-compatible launcher, pools, and diagnoses of what went wrong.",
         epilog="GPU state comes from NVML; set GPUWARDEN_SIMULATE=<scenario.json> to use a "
         "simulated host instead. Exit codes: 0 ok, 1 failure, 2 usage or bad input, "
-        "3 no GPU/NVML, 4 constraint not met.",
+        "3 no GPU/NVML, 4 constraint not met. Every failure code, its cause and fix: "
+        "docs/failure-codes.md in the repository, or `gpuwarden explain --codes`.",
     )
     parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
     try:
         return int(args.run(args))
     except GpuwardenError as exc:
-        print(exc.render(), file=sys.stderr)
+        exc.emit(sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -7,15 +7,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from gpuwarden.findings import is_terminal
+
+__all__ = ["SCHEMA_VERSION", "emit_json", "emit_table", "is_terminal", "note"]
+
 SCHEMA_VERSION = 1
-
-
-def is_terminal(stream: TextIO | None = None) -> bool:
-    stream = sys.stdout if stream is None else stream
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def emit_json(payload: dict[str, Any], stream: TextIO | None = None) -> None:

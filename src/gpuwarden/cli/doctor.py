@@ -49,22 +49,19 @@ _MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 
 def render(report: Any, stream: TextIO) -> None:
-    """Plain text meant for pasting into an issue: every check, evidence included."""
+    """Plain text meant for pasting into an issue (colours on a terminal): every check, its
+    evidence, why and fix for those that warn or fail."""
+    from gpuwarden.findings import emit
+
     ctx = report.context
     stream.write(f"gpuwarden doctor {ctx['gpuwarden']} on {ctx['hostname']}: Python "
                  f"{ctx['python']}, {ctx['platform']}, torch {ctx['torch'] or 'not installed'}, "
                  f"GPUs from {ctx['gpu_source'] or 'nowhere (no NVML)'}\n\n")
     width = max(len(c.id) for c in report.checks)
     for c in report.checks:
-        stream.write(f"[{_MARK[c.status.value]:>4}] {c.id:<{width}}  {c.what}  ({c.code})\n")
-        pad = " " * (width + 9)
-        if c.status.value in ("warn", "fail"):
-            if c.why:
-                stream.write(f"{pad}why: {c.why}\n")
-            if c.fix:
-                stream.write(f"{pad}fix: {c.fix}\n")
-        for line in c.evidence:
-            stream.write(f"{pad}- {line}\n")
+        emit(c, stream, head=f"[{_MARK[c.status.value]:>4}] {c.id:<{width}}  {c.what}  ({c.code})",
+             indent=" " * (width + 9), bullets=True)
+    stream.flush()
     counts = report.counts()
     stream.write(f"\n{counts['fail']} failed, {counts['warn']} warnings, {counts['ok']} ok, "
                  f"{counts['skip']} skipped in {report.elapsed_s:.2f} s\n")

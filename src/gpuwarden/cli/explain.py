@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
-from gpuwarden.cli._output import emit_json, is_terminal
+from gpuwarden.cli._output import emit_json
 
 if TYPE_CHECKING:
     from gpuwarden.explain import Diagnosis, Finding
@@ -25,7 +25,9 @@ def add_parser(sub: Any) -> None:
         "other codes seen, the evidence lines with their numbers, why it happened and what "
         "to do. When nothing matches, the answer is NONE: gpuwarden says it does not know.",
         epilog="Exit codes: 0 a failure code was found, 1 NONE (no known failure), "
-        "2 unreadable input (missing file, a directory, binary data).",
+        "2 unreadable input (missing file, a directory, binary data). The codes, their causes, "
+        "fixes and signatures: docs/failure-codes.md in the repository (generated from the "
+        "knowledge base), or `gpuwarden explain --codes`.",
     )
     p.add_argument("file", nargs="?", default="-", metavar="FILE",
                    help="the log to read; '-' or nothing reads stdin")
@@ -33,20 +35,27 @@ def add_parser(sub: Any) -> None:
                    help="machine-readable output (schema_version 1)")
     p.add_argument("--knowledge", metavar="TOML", default=None,
                    help="use this knowledge base instead of the one shipped with gpuwarden")
+    p.add_argument("--codes", action="store_true",
+                   help="print the failure-code reference (docs/failure-codes.md, Markdown) of "
+                   "the knowledge base and exit")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from gpuwarden.explain import explain_file, load_knowledge
+    from gpuwarden.findings import emit
 
     kb = load_knowledge(args.knowledge) if args.knowledge else None
+    if args.codes:
+        from gpuwarden.explain.reference import failure_codes_markdown
+
+        sys.stdout.write(failure_codes_markdown(kb))
+        return EXIT_FOUND
     diag = explain_file(args.file, kb)
     if args.json:
         emit_json(diag.to_dict())
-    elif is_terminal(sys.stdout):
-        _render_rich(diag)
     else:
-        sys.stdout.write(render_plain(diag))
+        emit(diag.primary, sys.stdout, **report_layout(diag))
     return EXIT_FOUND if diag.found else EXIT_UNKNOWN
 
 
@@ -55,35 +64,18 @@ def _where(f: Finding) -> str:
     return f"line {f.first_line}{rank}"
 
 
-def _report_rows(diag: Diagnosis) -> list[tuple[str, str, str]]:
-    """The four-part report of STYLE.md as (label, text, rich style) rows; the first is the head."""
+def report_layout(diag: Diagnosis) -> dict[str, Any]:
+    """How the primary finding is shown (head, the other codes as extra rows), for
+    :func:`gpuwarden.findings.emit` / :func:`~gpuwarden.findings.render_plain`."""
+    from gpuwarden.findings import Row
+
     p = diag.primary
     if not diag.found:
-        return [("unknown[NONE]", f"no known failure in {diag.source} ({diag.lines_read} lines "
-                 "read)", "bold yellow"), ("why", p.why, "bold"), ("fix", p.fix, "bold")]
-    rows = [(f"error[{p.code}]", f"{p.title}  (confidence {p.confidence:.2f}, {_where(p)})",
-             "bold red"), ("why", p.why, "bold"), ("fix", p.fix, "bold green")]
-    rows += [("look at", detail, "bold cyan") for detail in p.details]
-    if p.next:
-        rows.append(("next", p.next, "bold"))
-    rows += [("evidence", f"{diag.source}:{e.line}: {e.text}", "bold") for e in p.evidence]
-    rows += [("echo" if f.echo else "also seen",
-              f"{f.code} at {_where(f)}, {f.matches} line(s): {f.title}", "dim" if f.echo else "yellow")
+        head = f"{p.label}: no known failure in {diag.source} ({diag.lines_read} lines read)"
+        return {"head": head, "source": diag.source}
+    head = f"{p.label}: {p.title}  (confidence {p.confidence:.2f}, {_where(p)})"
+    extra = [Row("echo" if f.echo else "also seen",
+                 f"{f.code} at {_where(f)}, {f.matches} line(s): {f.title}",
+                 "dim" if f.echo else "yellow")
              for f in diag.others]
-    return rows
-
-
-def render_plain(diag: Diagnosis) -> str:
-    """The report as plain text (piped output)."""
-    rows = _report_rows(diag)
-    head, *rest = rows
-    return "\n".join([f"{head[0]}: {head[1]}", *(f"  {label}: {text}" for label, text, _ in rest)]) + "\n"
-
-
-def _render_rich(diag: Diagnosis, stream: TextIO | None = None) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    console = Console(file=stream or sys.stdout, highlight=False, soft_wrap=True)
-    for i, (label, text, style) in enumerate(_report_rows(diag)):
-        console.print(f"{'' if i == 0 else '  '}[{style}]{escape(label)}[/]: {escape(text)}")
+    return {"head": head, "extra": extra, "source": diag.source}

@@ -441,7 +441,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpuwarden: {note}", file=sys.stderr)
     report, _outcome = launch(config, inventory=inventory_of(args))
     if not report.ok or not args.quiet:
-        print(report.render(), file=sys.stderr)
+        from gpuwarden.findings import emit
+
+        emit(report.finding, sys.stderr)
     if args.json:
         from gpuwarden.cli._output import emit_json
 

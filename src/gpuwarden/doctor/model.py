@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from gpuwarden.errors import EXIT_FAILURE, EXIT_OK
+from gpuwarden.findings import Finding, Severity
 
 
 class Status(str, Enum):
@@ -21,27 +22,29 @@ class Status(str, Enum):
         return {"skip": 0, "ok": 1, "warn": 2, "fail": 3}[self.value]
 
 
-@dataclass(frozen=True)
-class Check:
-    """One finding. ``code`` is the failure code (failure-codes.md) the check guards against,
-    also when the status is ok: it says what would have gone wrong."""
+# A check's status as the severity of its finding: a skipped check found nothing wrong.
+_SEVERITY = {Status.OK: Severity.OK, Status.SKIP: Severity.OK, Status.WARN: Severity.WARNING,
+             Status.FAIL: Severity.ERROR}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check(Finding):
+    """One check's finding. ``code`` is the failure code (docs/failure-codes.md) the check
+    guards against, also when the status is ok: it says what would have gone wrong."""
 
     id: str
-    code: str
     status: Status
-    what: str
-    why: str | None = None
-    fix: str | None = None
-    evidence: tuple[str, ...] = ()
+    evidence: Sequence[str] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "code": self.code, "status": self.status.value, "what": self.what,
-                "why": self.why, "fix": self.fix, "evidence": list(self.evidence)}
+        return {"id": self.id, "status": self.status.value, **super().to_dict()}
 
 
 def check(id: str, code: str, status: Status, what: str, *, why: str | None = None,
-          fix: str | None = None, evidence: Iterable[str] = ()) -> Check:
-    return Check(id, code, status, what, why, fix, tuple(evidence))
+          fix: str | None = None, evidence: Iterable[str] = (),
+          fields: Mapping[str, Any] | None = None) -> Check:
+    return Check(id=id, code=code, status=status, what=what, why=why, fix=fix,
+                 evidence=tuple(evidence), fields=dict(fields or {}), severity=_SEVERITY[status])
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from gpuwarden import findings
 from gpuwarden.errors import UsageError
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
 from gpuwarden.explain.prefilter import BLOCK_BYTES, PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
+from gpuwarden.findings import EvidenceLine
 from gpuwarden.units import parse_size
 
 # BLOCK_BYTES (from prefilter, whose anchor cost model is tuned to it): the read size;
@@ -107,63 +109,52 @@ def rank_of(line: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class EvidenceLine(NamedTuple):
-    """One log line that supports a finding: ``(line_no, text)``, 1-based."""
+@dataclass(frozen=True, kw_only=True)
+class Finding(findings.Finding):
+    """A failure code seen in a log: the common :class:`gpuwarden.findings.Finding` (``what`` is
+    the knowledge base's title, ``evidence`` the log lines as :class:`EvidenceLine`, ``details``
+    what those lines name) plus where and how firmly it was seen."""
 
-    line: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Finding:
-    """A failure code seen in a log, with what the knowledge base says about it."""
-
-    code: str
-    title: str
-    confidence: float
-    why: str
-    fix: str
-    next: str
-    evidence: list[EvidenceLine]
+    evidence: list[EvidenceLine] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
+    confidence: float = 0.0
     first_line: int | None = None
     first_rank: int | None = None
     ranks: list[int] = field(default_factory=list)
     matches: int = 0
-    echo: bool = False
+    echo: bool = False  # another code seen in the same log is the root cause of this one
     # Typed evidence (pid, rank, gpu, host, port, bytes, exception, frame...): what the
     # details say, for programs (`explain --json`, the launcher, scripts).
     fields: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def title(self) -> str:
+        return self.what
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "title": self.title,
+        common = super().to_dict()
+        return {  # the code, its title and the confidence first: what a reader wants first
+            "code": common.pop("code"),
+            "title": self.what,
             "confidence": self.confidence,
-            "evidence": [{"line": e.line, "text": e.text} for e in self.evidence],
-            "why": self.why,
-            "fix": self.fix,
-            "next": self.next,
-            "details": list(self.details),
+            **common,
             "first_line": self.first_line,
             "first_rank": self.first_rank,
             "ranks": list(self.ranks),
             "matches": self.matches,
             "echo": self.echo,
-            "fields": dict(self.fields),
         }
 
 
 NONE_FINDING = Finding(
     code=NONE_CODE,
-    title="no known failure found",
-    confidence=0.0,
+    what="no known failure found",
+    severity=findings.Severity.UNKNOWN,
     why="no line matches a signature of the knowledge base; gpuwarden does not know this "
         "failure and does not guess",
     fix="read the first traceback of the log; if it is a CUDA, NCCL or rendezvous failure "
         "gpuwarden should know, add a signature to the knowledge base (docs/explain.md)",
     next="",
-    evidence=[],
 )
 
 
@@ -460,7 +451,7 @@ class Explainer:
         if first_rank is not None:
             fields.setdefault("rank", first_rank)
         return Finding(
-            code=entry.code, title=entry.title, confidence=confidence, why=entry.why,
+            code=entry.code, what=entry.title, confidence=confidence, why=entry.why,
             fix=entry.fix, next=entry.next, evidence=evidence, details=list(state.details),
             first_line=first.line, first_rank=first_rank, ranks=sorted(state.ranks),
             matches=sum(state.counts[si] for si in valid), fields=fields,
@@ -506,5 +497,5 @@ def rank_findings(findings: list[Finding], *, lines_read: int, bytes_read: int,
 
     primary = min(pool, key=order)
     others = sorted((f for f in findings if f is not primary), key=order)
-    others = [Finding(**{**f.__dict__, "echo": f.code in echoes}) for f in others]
+    others = [replace(f, echo=f.code in echoes) for f in others]
     return Diagnosis(primary, others, lines_read, bytes_read, source)

@@ -1,4 +1,4 @@
-"""A simulated host read from a scenario JSON file (see shared/scenarios/example.json).
+"""A simulated host read from a scenario JSON file (format: tests/scenarios/example.json).
 
 It produces the same :class:`HostSnapshot` the NVML backend does, so everything
 above the boundary runs unchanged on a machine without a GPU. Validation names
@@ -17,7 +17,8 @@ from gpuwarden.errors import ScenarioError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
 from gpuwarden.units import MIB
 
-_FIX = "correct the file named by GPUWARDEN_SIMULATE (format: shared/scenarios/example.json)"
+_FIX = ("correct the file named by GPUWARDEN_SIMULATE (format: tests/scenarios/example.json "
+        "in gpuwarden's repository)")
 
 
 class SimulatedBackend:

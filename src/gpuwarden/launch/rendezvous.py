@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 from gpuwarden import net
@@ -36,6 +36,7 @@ from gpuwarden.doctor.net_checks import (
 )
 from gpuwarden.doctor.probes import Probes, RendezvousFacts, locate_master
 from gpuwarden.errors import PortInUseError, RendezvousError
+from gpuwarden.findings import Severity, render_one_line
 from gpuwarden.launch.config import LaunchConfig
 
 RETRY_REFUSED_S = 0.5  # between tries while nothing listens yet
@@ -52,7 +53,8 @@ class RendezvousPreflight:
 def _raise(c: Check, config: LaunchConfig, hostname: str, *, port_in_use: bool = False) -> None:
     evidence = [*c.evidence, f"node {config.node_rank} of {config.nnodes} ({hostname})"]
     cls = PortInUseError if port_in_use else RendezvousError
-    raise cls(c.what, why=c.why, fix=c.fix, evidence=evidence, code=c.code)
+    raise cls(c.what, why=c.why, fix=c.fix, evidence=evidence, code=c.code,
+              fields={**c.fields, "node": config.node_rank, "hostname": hostname})
 
 
 def check_rendezvous(config: LaunchConfig, env: dict[str, str], *, err: TextIO,
@@ -110,19 +112,20 @@ def check_rendezvous(config: LaunchConfig, env: dict[str, str], *, err: TextIO,
         if c.status is Status.FAIL:
             _raise(c, config, hostname)
         if c.status is Status.WARN:
-            out.notes.append(f"warning[{c.code}]: {c.what}: {c.why}")
+            out.notes.append(render_one_line(replace(c, severity=Severity.WARNING, fix=None)))
 
     c = check_hostname(hostname, probes.resolve(hostname), nnodes, env)
     if c.status in (Status.WARN, Status.FAIL):
-        line = f"warning[{c.code}]: {c.what}: {c.why}"
+        # launch goes on (the job may still work): a warning, whatever the doctor calls it
+        warning = replace(c, severity=Severity.WARNING)
+        line = render_one_line(warning)
         if not env.get("GLOO_SOCKET_IFNAME") and route:
             # Gloo binds what the hostname resolves to, else falls back to loopback: the other
             # nodes could never connect. The route to MASTER_ADDR names the right interface.
             out.env["GLOO_SOCKET_IFNAME"] = route
-            line += f"; gpuwarden sets GLOO_SOCKET_IFNAME={route} for the ranks (the interface " \
-                    f"of the route to MASTER_ADDR)"
-        else:
-            line += f"; fix: {c.fix}"
+            line = render_one_line(replace(warning, fix=None)) + (
+                f"; gpuwarden sets GLOO_SOCKET_IFNAME={route} for the ranks (the interface "
+                "of the route to MASTER_ADDR)")
         out.notes.append(line)
     c = check_route_interface(interfaces, route, addr, env, nnodes)
     if c.status is not Status.SKIP:
@@ -174,7 +177,8 @@ def _wait_for_store(config: LaunchConfig, hostname: str, resolution: net.Resolut
                        "differs between nodes")
             raise RendezvousError(
                 what, why=why, fix=c.fix, code=probe.code or "RDZV_CONN_REFUSED",
-                evidence=[*c.evidence, f"{tries} tries from node {config.node_rank} ({hostname})"])
+                evidence=[*c.evidence, f"{tries} tries from node {config.node_rank} ({hostname})"],
+                fields={"host": addr, "port": port, "node": config.node_rank, "tries": tries})
         if probe.status is not net.ProbeStatus.TIMEOUT:
             sleep(min(RETRY_REFUSED_S, max(0.0, deadline - clock())))
 

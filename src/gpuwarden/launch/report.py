@@ -14,11 +14,12 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpuwarden.findings import Finding, Section, Severity, render_plain
 from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
 from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
 
 if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank failed
-    from gpuwarden.explain.engine import Finding
+    from gpuwarden.explain.engine import Finding as Diagnosed
 
 TRACEBACK_TAIL_LINES = 12
 EXIT_NODE_ABORTED = 1
@@ -49,6 +50,9 @@ _SIGNAL_WHY = {
 
 @dataclass
 class LaunchReport:
+    """The outcome of a launch: its exit code and, as a :class:`~gpuwarden.findings.Finding`
+    (:attr:`finding`), what happened, why, the fix and the evidence."""
+
     exit_code: int
     code: str | None  # failure code (failure-codes.md or gpuwarden's own); None on success
     what: str
@@ -58,30 +62,24 @@ class LaunchReport:
     # (heading, lines): the traceback tail, the stacks; printed indented under the evidence
     sections: list[tuple[str, list[str]]] = field(default_factory=list)
     root_rank: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)  # the evidence as data, for --json
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def finding(self) -> Finding:
+        return Finding(code=self.code or "", what=self.what, why=self.why, fix=self.fix,
+                       evidence=self.evidence, sections=[Section(h, b) for h, b in self.sections],
+                       fields=self.fields, severity=Severity.OK if self.ok else Severity.ERROR)
+
     def render(self) -> str:
-        if self.ok:
-            return f"gpuwarden: {self.what}"
-        lines = [f"error[{self.code}]: {self.what}"]
-        if self.why:
-            lines.append(f"  why: {self.why}")
-        if self.fix:
-            lines.append(f"  fix: {self.fix}")
-        lines += [f"  evidence: {e}" for e in self.evidence]
-        for heading, body in self.sections:
-            lines.append(f"  {heading}:")
-            lines += [f"    {line}" for line in body]
-        return "\n".join(lines)
+        return render_plain(self.finding)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "exit_code": self.exit_code, "code": self.code, "what": self.what,
-                "why": self.why, "fix": self.fix, "evidence": self.evidence,
-                "sections": [{"heading": h, "lines": b} for h, b in self.sections],
-                "root_rank": self.root_rank}
+        return {"ok": self.ok, "exit_code": self.exit_code, **self.finding.to_dict(),
+                "code": self.code, "root_rank": self.root_rank}
 
 
 def exit_words(returncode: int) -> str:
@@ -179,7 +177,7 @@ def _rank_line(outcome: RunOutcome, e: RankExit) -> str:
     return f"rank {e.rank}: pid {e.pid}, {_device(outcome, e.rank)}, {how}"
 
 
-def _explain(text: str) -> Finding | None:
+def _explain(text: str) -> Diagnosed | None:
     """explain's primary diagnosis when it knows the text, else None."""
     from gpuwarden.explain import explain_text
 
@@ -237,8 +235,16 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
                         "and stop their ranks")
     if diag is not None and diag.evidence:
         evidence.append(f"matched in rank {root.rank}'s output: {diag.evidence[-1].text.strip()}")
+    fields: dict[str, Any] = {"rank": root.rank, "pid": root.pid, "device": _device(outcome, root.rank),
+                              "returncode": root.returncode, "after_s": round(after, 3)}
+    if root.returncode < 0:
+        fields["signal"] = signal_name(-root.returncode)
+    if err:
+        fields["exception"] = err.get("type")
+    if diag is not None and diag.fields:
+        fields["explain"] = dict(diag.fields)  # what explain read in the rank's output (typed)
     return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
-                        root.rank)
+                        root.rank, fields)
 
 
 def stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:

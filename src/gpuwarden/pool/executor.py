@@ -486,7 +486,7 @@ class GPUPool(Executor):
                           f"{worker.slot.env.get('CUDA_VISIBLE_DEVICES', '')!r}",
                           f"exit: {exit_text}", f"task {task.id}: {task.description}"],
                 worker=worker.name, gpu=worker.slot.device_label, exit_status=exit_text,
-                task=task.description,
+                task=task.description, fields={"pid": worker.pid},
             )
             log.warning("%s; the pool replaces the worker", error.what)
             task.future.set_exception(error)
