@@ -6,13 +6,13 @@ standalone mode gives a worker, so torchrun scripts run unchanged, plus:
 
 - ``CUDA_VISIBLE_DEVICES`` naming only the rank's own GPU (``--bind rank``, the default), so it
   is ``cuda:0`` in the rank, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so the index means NVML's GPU;
-- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden._rank`) where to write its
+- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden.launch._bootstrap`) where to write its
   progress, error record and stack dumps.
 
 With ``--nnodes N --node-rank R`` (docs/multinode.md) ranks are numbered node by node as in
 torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORLD_SIZE`` is
 ``N*K``, ``GROUP_RANK`` is R, and each rank gets ``GPUWARDEN_PEERS_FILE``, where its bootstrap's
-store watch (:mod:`gpuwarden._store_watch`) reports what it learns from the job's TCPStore.
+store watch (:mod:`gpuwarden.launch._store_watch`) reports what it learns from the job's TCPStore.
 
 ``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: there is no agent-hosted TCPStore (hosting one
 would need torch in the supervisor); rank 0 hosts the store, as with plain ``env://``.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.launch.flight_recorder import recorder_env
 from gpuwarden.visibility import CHILD_ORDER_ENV
 
 
@@ -33,7 +34,7 @@ from gpuwarden.visibility import CHILD_ORDER_ENV
 class RankFiles:
     status: str  # mmap'd progress record (launch/status.py)
     error: str  # JSON record of an uncaught exception
-    stacks: str  # faulthandler dumps on request (SIGUSR1)
+    stacks: str  # faulthandler dumps on request (status.STACK_SIGNAL), sampled by the supervisor
     fatal: str  # faulthandler dump on a fatal signal (SIGSEGV, SIGABRT, SIGBUS...)
     peers: str = ""  # multi-node: what the rank's store watch saw (arrivals, abort, store lost)
 
@@ -120,7 +121,7 @@ def make_plan(
     world = local * config.nnodes
     first = config.node_rank * local  # torchrun static: ranks numbered node by node
     argv_tail = ("-m", config.target) if config.module else (config.target,)
-    argv = (python, "-m", "gpuwarden._rank", *argv_tail, *config.args)
+    argv = (python, "-m", "gpuwarden.launch._bootstrap", *argv_tail, *config.args)
     notes: list[str] = []
     common = {
         "WORLD_SIZE": str(world),
@@ -182,6 +183,7 @@ def make_plan(
             env["GPUWARDEN_PEERS_FILE"] = files.peers
         mates: tuple[int, ...] = ()
         if gpu is not None:
+            env.update(recorder_env(run_dir, base_env))  # NCCL's flight recorder, for stalls
             env["GPUWARDEN_GPU"] = gpu.label
             if config.bind == "rank":
                 env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_id
