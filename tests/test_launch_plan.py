@@ -5,7 +5,6 @@ launcher detection and Slurm node lists. Nothing here starts a rank."""
 from __future__ import annotations
 
 import socket
-import types
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,8 @@ from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
 from gpuwarden.launch.report import root_cause
-from gpuwarden.launch.status import Phase, StatusReader, StatusWriter
 from gpuwarden.launch.stall import main_thread_frames
+from gpuwarden.launch.status import Phase, StatusReader, StatusWriter
 from gpuwarden.launch.supervisor import RankExit
 from gpuwarden.nodelist import expand_nodelist, first_host
 

@@ -231,9 +231,11 @@ def main(argv: list[str]) -> int:
         # FAILED first: the supervisor starts stopping the other ranks while this one records
         # its error and goes through its (slow, with torch loaded) interpreter teardown.
         _set(Phase.FAILED)
+        # The traceback from the script's first frame on: excepthook prints the exception's own.
+        exc.__traceback__ = _script_traceback(exc)
         if env.get("GPUWARDEN_ERROR_FILE"):
             _write_error(env["GPUWARDEN_ERROR_FILE"], exc)
-        sys.excepthook(type(exc), exc, _script_traceback(exc))
+        sys.excepthook(type(exc), exc, exc.__traceback__)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         _finished(code)
         return code
