@@ -6,7 +6,10 @@
 2. launch → finish of a 2-rank gloo all_reduce (examples/allreduce.py);
 3. rank crash → launcher exit (rank 1 raises after init; rank 0 sleeps);
 4. one of 2 ranks never joins: time to a diagnosis (gpuwarden --stall-timeout 5s) vs torchrun,
-   which is capped at --cap seconds (on its own it waits for gloo's 30-minute timeout).
+   which is capped at --cap seconds (on its own it waits for gloo's 30-minute timeout);
+5. launcher overhead: the wall of `-n 1 SCRIPT` minus the wall of `python -u SCRIPT` run directly
+   with the environment a rank gets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), for a
+   script without torch and for a 1-rank gloo all_reduce (the rank's normal exit included).
 
 Runs alternate (gpuwarden, torchrun) so both see the same machine load; medians are printed.
 """
@@ -77,6 +80,30 @@ def pairs(name: str, a: list[str], b: list[str], n: int, since_mark: bool = Fals
     return mo, mt
 
 
+def overhead(label: str, script: Path, n: int) -> None:
+    """Launcher wall minus the same script's wall run directly, as medians of alternating runs."""
+    from gpuwarden.net import pick_free_port
+
+    walls: dict[str, list[float]] = {"direct": [], "ours": [], "theirs": []}
+    for _ in range(n):
+        port = pick_free_port()
+        rank_env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                    "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}
+        for key, cmd, env in (
+                ("direct", [sys.executable, "-u", str(script)], rank_env),
+                ("ours", [str(BIN / "gpuwarden"), "launch", "-n", "1", str(script)], None),
+                ("theirs", [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1",
+                            str(script)], None)):
+            wall, code, _ = timed(cmd, env)
+            if code != 0:
+                raise SystemExit(f"overhead: {' '.join(cmd)} exited {code}")
+            walls[key].append(wall)
+    direct = statistics.median(walls["direct"])
+    mo, mt = statistics.median(walls["ours"]) - direct, statistics.median(walls["theirs"]) - direct
+    print(f"| launcher overhead, -n 1, {label} (direct run {direct:.2f} s) | {mo:+.2f} s | "
+          f"{mt:+.2f} s | - |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5)
@@ -111,6 +138,9 @@ def main() -> None:
         theirs = (f"no diagnosis within the {args.cap:g} s cap (stopped; on its own it waits "
                   "for gloo's 30 min timeout)" if tcode is None else f"{twall:.2f} s (exit {tcode})")
     print(f"| one rank never joins → diagnosis | {ours} | {theirs} | - |")
+    for label, script in (("script without torch", HERE / "hello.py"),
+                          ("1-rank gloo all_reduce", ROOT / "examples" / "allreduce.py")):
+        overhead(label, script, args.pairs)
     print(f"\n(benchmark took {time.monotonic() - start:.0f} s)")
 
 

@@ -33,27 +33,51 @@ def test_one_rank_nccl_with_init(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_set_device_local_rank_works_when_each_rank_sees_one_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_set_device_local_rank_works_as_under_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
     n = min(2, gpu_count())
     code = main(["launch", "-n", str(n), "--min-free", "1GiB",
                  str(SCRIPTS / "nccl_set_device.py")])
     out, err = capsys.readouterr()
     assert code == 0, err
-    for rank in range(n):
+    for rank in range(n):  # every rank sees the job's n GPUs; cuda:LOCAL_RANK is its own
+        assert f"[rank{rank}]: rank {rank} current_device={rank} count={n} sum={n * (n + 1) // 2}" in out
+    code = main(["launch", "-n", str(n), "--bind", "rank", "--min-free", "1GiB",
+                 str(SCRIPTS / "nccl_set_device.py")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    for rank in range(n):  # --virtual-local-rank: LOCAL_RANK=0, the one visible GPU
         assert f"[rank{rank}]: rank {rank} current_device=0 count=1 sum={n * (n + 1) // 2}" in out
 
 
 @pytest.mark.timeout(180)
-def test_set_device_local_rank_maps_to_the_ranks_own_gpu_on_one_gpu(
+def test_share_gives_each_rank_its_gpu_as_cuda_0_with_local_rank_0(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """LOCAL_RANK 1 on a host with one GPU: set_device(1) must land on the rank's GPU (cuda:0),
-    not fail as an invalid ordinal. --share puts both ranks on GPU 0, so this runs on any GPU host."""
+    """--share implies --bind rank (torchrun's --virtual-local-rank): LOCAL_RANK=0 and the one
+    visible GPU, so set_device(LOCAL_RANK) lands on it. Both ranks on GPU 0: any GPU host."""
     code = main(["launch", "--share", "-n", "2", "--gpus", "1", str(SCRIPTS / "nccl_set_device.py"),
                  "--no-collective"])
     out, err = capsys.readouterr()
     assert code == 0, err
     for rank in (0, 1):
-        assert f"[rank{rank}]: rank {rank} local {rank} current_device=0 count=1" in out
+        assert f"[rank{rank}]: rank {rank} local 0 current_device=0 count=1" in out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("idiom", ["to", "ddp", "accelerator", "map_location"])
+def test_torchrun_idioms_land_each_rank_on_its_own_gpu(capsys: pytest.CaptureFixture[str],
+                                                       idiom: str) -> None:
+    """The scripts of pytorch/examples and friends, unchanged: no 'invalid device ordinal', and
+    every rank on a different GPU (the one gpuwarden leased for it)."""
+    import json
+
+    n = min(2, gpu_count())
+    code = main(["launch", "-n", str(n), "--min-free", "1GiB", str(SCRIPTS / "idioms.py"), idiom])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    seen = [json.loads(line.split("IDIOM ", 1)[1]) for line in out.splitlines() if "IDIOM " in line]
+    assert len(seen) == n
+    assert all(s["ordinal"] == s["local_rank"] == s["rank"] for s in seen)
+    assert len({s["gpu"] for s in seen}) == n and None not in {s["gpu"] for s in seen}
 
 
 @pytest.mark.timeout(180)

@@ -51,14 +51,17 @@ def test_plan_gives_torchrun_environment_on_cpu() -> None:
                                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                 "TORCHELASTIC_RUN_ID")} == {
         "RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
-        "ROLE_RANK": "2", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
+        "ROLE_RANK": "2", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "localhost", "MASTER_PORT": "29511",
         "TORCHELASTIC_RUN_ID": "abc"}
     # rank 0 hosts the store: a worker told to use an agent store would wait for one forever
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     assert env["OMP_NUM_THREADS"] == "1" and env["GPUWARDEN_DEVICE"] == "cpu"
     assert "CUDA_VISIBLE_DEVICES" not in env  # no GPU host: nothing to hide
-    assert plan.ranks[2].argv == ("/usr/bin/python3", "-m", "gpuwarden.launch._bootstrap", SCRIPT, "--lr", "3")
-    assert plan_for(cfg(target="pkg.mod", module=True)).ranks[0].argv[3:5] == ("-m", "pkg.mod")
+    # torchrun's `python -u SCRIPT` with the bootstrap in between; torchrun sets no PYTHONUNBUFFERED
+    assert plan.ranks[2].argv == ("/usr/bin/python3", "-u", "-m", "gpuwarden.launch._bootstrap", SCRIPT, "--lr", "3")
+    assert "PYTHONUNBUFFERED" not in env
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert plan_for(cfg(target="pkg.mod", module=True)).ranks[0].argv[4:6] == ("-m", "pkg.mod")
 
 
 def test_plan_keeps_users_thread_count_and_hides_gpus_with_cpu_flag() -> None:
@@ -67,16 +70,19 @@ def test_plan_keeps_users_thread_count_and_hides_gpus_with_cpu_flag() -> None:
     assert plan.ranks[0].env["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_simulated_two_gpu_host_gives_each_rank_its_own_gpu(scenario) -> None:  # type: ignore[no-untyped-def]
+def test_simulated_two_gpu_host_gives_every_rank_the_jobs_gpus_in_rank_order(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("two_gpu")
     gpus = taken_gpus(cfg(nproc=2))
-    plan = plan_for(cfg(nproc=2), gpus)
-    cvd = [r.env["CUDA_VISIBLE_DEVICES"] for r in plan.ranks]
-    assert sorted(cvd) == ["0", "1"]
+    plan = plan_for(cfg(nproc=2), gpus)  # torchrun's visibility: cuda:LOCAL_RANK is the rank's own
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in plan.ranks] == ["0,1", "0,1"]
     assert all(r.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for r in plan.ranks)
-    assert [r.env["LOCAL_RANK"] for r in plan.ranks] == ["0", "1"]  # torchrun's meaning kept
-    bind_all = plan_for(cfg(nproc=2, bind="all"), gpus)
-    assert {r.env["CUDA_VISIBLE_DEVICES"] for r in bind_all.ranks} == {",".join(cvd)}
+    assert [r.env["LOCAL_RANK"] for r in plan.ranks] == ["0", "1"]
+    assert [r.gpu.cuda_id for r in plan.ranks] == ["0", "1"]  # type: ignore[union-attr]
+    # --bind rank = torchrun's --virtual-local-rank: one GPU, as cuda:0, and LOCAL_RANK=0
+    bound = plan_for(cfg(nproc=2, bind="rank"), gpus)
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in bound.ranks] == ["0", "1"]
+    assert [r.env["LOCAL_RANK"] for r in bound.ranks] == ["0", "0"]
+    assert [r.env["RANK"] for r in bound.ranks] == ["0", "1"]
 
 
 def test_launch_reads_the_gpus_once(scenario, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -122,6 +128,18 @@ def test_gpus_all_takes_every_usable_gpu(scenario) -> None:  # type: ignore[no-u
     assert [g.index for g in taken_gpus(cfg(gpus="all"))] == [1]
 
 
+def test_nproc_per_node_auto_is_one_rank_per_usable_gpu_else_per_core(scenario) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    scenario("two_gpu")
+    config = cfg(nproc_auto=True)
+    gpus = taken_gpus(config)
+    assert len(plan_for(config, gpus).ranks) == 2 == len(gpus)
+    scenario("nogpu")
+    assert taken_gpus(config) == ()
+    assert len(plan_for(config).ranks) == len(os.sched_getaffinity(0))
+
+
 def test_no_gpu_host_runs_on_cpu_unless_gpus_were_required(scenario) -> None:  # type: ignore[no-untyped-def]
     scenario("nogpu")
     assert taken_gpus(cfg(nproc=2)) == ()
@@ -137,6 +155,12 @@ def test_no_gpu_host_runs_on_cpu_unless_gpus_were_required(scenario) -> None:  #
     ({"cpu": True, "gpus": 2}, "contradict"),
     ({"cpu": True, "share": True}, "--share"),
     ({"bind": "all", "share": True}, "twice"),
+    ({"redirects": "4"}, "not 0, 1, 2 or 3"),
+    ({"tee": "0:1,x"}, "LOCAL_RANK:STREAMS"),
+    ({"signals_to_handle": ("SIGNOPE",)}, "not a signal name"),
+    ({"signals_to_handle": ("SIGKILL",)}, "cannot be caught"),
+    ({"start_method": "thread"}, "--start-method"),
+    ({"run_path": True, "target": "rel/train.py"}, "absolute script path"),
     ({"master_port": 70000}, "not a TCP port"),
     ({"target": "/nonexistent/train.py"}, "does not exist"),
 ])
@@ -144,6 +168,34 @@ def test_inconsistent_settings_are_refused_before_anything_starts(kw, words) -> 
     with pytest.raises(UsageError) as info:
         cfg(**kw)
     assert words in info.value.what and info.value.exit_code == 2
+
+
+def test_a_script_no_rank_could_run_is_named_for_what_it_is(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__main__.py").write_text("print(1)\n")
+    os.mkfifo(tmp_path / "train.fifo")
+    locked = tmp_path / "locked.py"
+    locked.write_text("print(1)\n")
+    locked.chmod(0)
+    plain = tmp_path / "plain.py"
+    plain.write_text("print(1)\n")
+    cases = [(tmp_path / "pkg", "is a directory"), (tmp_path / "train.fifo", "is a FIFO"),
+             (tmp_path / "missing.py", "does not exist")]
+    if os.geteuid() != 0:  # root reads a file whatever its mode
+        cases.append((locked, "is not readable"))
+    for path, words in cases:
+        with pytest.raises(UsageError) as info:
+            cfg(target=str(path))
+        assert words in info.value.what and info.value.exit_code == 2, info.value.what
+    with pytest.raises(UsageError) as info:
+        cfg(target=str(tmp_path / "pkg"))
+    assert "__main__.py" in (info.value.fix or "")
+    with pytest.raises(UsageError) as info:  # --no-python runs the file itself
+        cfg(target=str(plain), no_python=True)
+    assert "not executable" in info.value.what
+    assert cfg(target="true", no_python=True).target == "true"  # a command from PATH, as torchrun
 
 
 def test_explicit_busy_port_fails_at_once_and_auto_port_is_free() -> None:

@@ -87,7 +87,8 @@ def test_init_script_and_ddp_example(capsys: pytest.CaptureFixture[str], tmp_pat
 def test_environment_prefixes_logs_and_no_torch_import(capsys: pytest.CaptureFixture[str],
                                                        tmp_path: Path) -> None:
     script = str(SCRIPTS / "env_dump.py")
-    code, out, err = launch(capsys, "-n", "2", "--log-dir", str(tmp_path / "logs"), script, "--x", "1")
+    code, out, err = launch(capsys, "-n", "2", "--log-dir", str(tmp_path / "logs"), "--tee", "3",
+                            "--rdzv-id", "job7", script, "--x", "1")
     assert code == 0, err
     envs = {}
     for line in out.splitlines():
@@ -101,7 +102,11 @@ def test_environment_prefixes_logs_and_no_torch_import(capsys: pytest.CaptureFix
     assert '[rank1]: ARGV ["--x", "1"]' in out
     assert f"[rank0]: SYSPATH0 {SCRIPTS}" in out  # as `python SCRIPT` would set it
     assert "[rank1]: to stderr from 1" in err
-    assert "to stderr from 1" in (tmp_path / "logs" / "rank1.log").read_text()
+    # torchrun's layout: LOG_DIR/<run id>_<random>/attempt_0/<local rank>/std{out,err}.log
+    (run_dir,) = (tmp_path / "logs").glob("job7_*")
+    assert (run_dir / "attempt_0" / "1" / "stderr.log").read_text() == "to stderr from 1\n"
+    assert "ENV " in (run_dir / "attempt_0" / "0" / "stdout.log").read_text()
+    assert envs["[rank0]"]["TORCHELASTIC_RUN_ID"] == "job7"
     code, out, err = launch(capsys, "-n", "2", "--quiet", script)
     assert code == 0 and "[rank0]: ENV" in out and "[rank1]" not in out + err
     code, out, err = launch(capsys, "-n", "1", "-m", "tests.launch_scripts.env_dump", "--y")
@@ -109,14 +114,19 @@ def test_environment_prefixes_logs_and_no_torch_import(capsys: pytest.CaptureFix
 
 
 @pytest.mark.timeout(60)
-def test_simulated_two_gpu_host_binds_one_gpu_per_rank(capsys: pytest.CaptureFixture[str],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_simulated_two_gpu_host_gives_every_rank_the_jobs_gpus(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUWARDEN_SIMULATE", str(SCENARIOS / "two_gpu.json"))
     code, out, err = launch(capsys, "-n", "2", str(SCRIPTS / "env_dump.py"))
     assert code == 0, err
-    seen = sorted(json.loads(line.split("ENV ", 1)[1])["CUDA_VISIBLE_DEVICES"]
-                  for line in out.splitlines() if "ENV " in line)
-    assert seen == ["0", "1"]
+    seen = sorted((e["CUDA_VISIBLE_DEVICES"], e["LOCAL_RANK"]) for e in (
+        json.loads(line.split("ENV ", 1)[1]) for line in out.splitlines() if "ENV " in line))
+    assert seen == [("0,1", "0"), ("0,1", "1")]  # torchrun's: cuda:LOCAL_RANK is the rank's own
+    code, out, err = launch(capsys, "-n", "2", "--bind", "rank", str(SCRIPTS / "env_dump.py"))
+    assert code == 0, err
+    seen = sorted((e["CUDA_VISIBLE_DEVICES"], e["LOCAL_RANK"]) for e in (
+        json.loads(line.split("ENV ", 1)[1]) for line in out.splitlines() if "ENV " in line))
+    assert seen == [("0", "0"), ("1", "0")]  # --virtual-local-rank: its one GPU as cuda:0
     # the launcher (not a rank) holds the lease on both GPUs while the ranks run, then drops it
     code, out, err = launch(capsys, "-n", "2", str(SCRIPTS / "lease_check.py"))
     assert code == 0, err

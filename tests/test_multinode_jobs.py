@@ -41,9 +41,11 @@ _port = iter(range(29611, 29700))
 
 
 def _launch(h: Hosts, node: int, port: int, *extra: str, env: dict[str, str] | None = None,
-            ) -> subprocess.Popen[str]:
-    argv = [GPUWARDEN, "launch", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
-            h.addrs[0], "--master-port", str(port), "-n", "2", "--cpu", *extra, SCRIPT]
+            c10d: bool = False) -> subprocess.Popen[str]:
+    where = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{h.addrs[0]}:{port}", "--rdzv-id",
+             "job-c10d"] if c10d else ["--master-addr", h.addrs[0], "--master-port", str(port)]
+    argv = [GPUWARDEN, "launch", "--nnodes", "2", "--node-rank", str(node), *where, "-n", "2",
+            "--cpu", *extra, SCRIPT]
     return subprocess.Popen(h.cmd(node, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})})
 
@@ -81,6 +83,18 @@ def test_two_nodes_two_ranks_all_reduce(hosts: Hosts) -> None:
     lines = re.findall(r"rank (\d)/4 on (\d): all_reduce=(\S+)", results[0][1] + results[1][1])
     assert sorted(lines) == [("0", "0", "10"), ("1", "0", "10"), ("2", "1", "10"),
                              ("3", "1", "10")]  # 1+2+3+4, ranks numbered node by node
+    _no_leftovers(hosts)
+
+
+def test_two_nodes_with_torchruns_c10d_command_line(hosts: Hosts) -> None:
+    """`--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID --nnodes 2 --node-rank R`, as
+    pasted from a torchrun job: the same job on the store at the endpoint."""
+    port = next(_port)
+    results = _finish([_launch(hosts, 0, port, c10d=True), _launch(hosts, 1, port, c10d=True)])
+    for code, text, _ in results:
+        assert code == 0, text
+    lines = re.findall(r"rank (\d)/4 on (\d): all_reduce=(\S+)", results[0][1] + results[1][1])
+    assert sorted(lines) == [("0", "0", "10"), ("1", "0", "10"), ("2", "1", "10"), ("3", "1", "10")]
     _no_leftovers(hosts)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)  # each rank sees one GPU: gpuwarden maps this to cuda:0
+torch.cuda.set_device(local_rank)  # cuda:LOCAL_RANK is the rank's own GPU, as under torchrun
 if sys.argv[1:] == ["--no-collective"]:  # ranks sharing one GPU: NCCL would refuse them
     print(f"rank {os.environ['RANK']} local {local_rank} current_device="
           f"{torch.cuda.current_device()} count={torch.cuda.device_count()}")

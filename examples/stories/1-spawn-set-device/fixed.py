@@ -3,8 +3,9 @@
     python fixed.py
 
 The parent may ask torch.cuda anything: ``spawn`` starts fresh processes (never forks this
-one), binds one GPU per rank before the rank runs any code (CUDA_VISIBLE_DEVICES, so the rank's
-GPU is ``cuda:0``), and ``init()`` does set_device, then ``init_process_group`` with the right
+one), leases one GPU per rank before the rank runs any code (CUDA_VISIBLE_DEVICES names the
+job's GPUs in rank order, as under torchrun, so the rank's GPU is ``cuda:LOCAL_RANK``), and
+``init()`` does set_device, then ``init_process_group`` with the right
 backend (NCCL on a GPU of its own, gloo on CPU) and ``device_id`` — so a bad device fails at
 init, not at the first collective. A failing rank comes back as one SpawnError naming the rank.
 

@@ -1,92 +1,254 @@
-"""``gpuwarden launch``: run a torchrun-style script on N ranks, one GPU each (or CPU)."""
+"""``gpuwarden launch``: torchrun's command line, with GPUs chosen and leased first and a
+diagnosis when ranks fail or stall.
+
+Every flag of ``torchrun --help`` (torch 2.13) is accepted under its torchrun spellings (dashes
+and underscores), and read from ``PET_<NAME>`` when not given, as torchrun reads it; what
+gpuwarden does with each is in docs/launch.md ("torchrun's flags").
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from gpuwarden.errors import UsageError
+from gpuwarden.errors import EXIT_USAGE, UsageError
+
+# torchrun's option destinations: each is also read from PET_<DEST> (torch.distributed.argparse_util).
+TORCHRUN_DESTS = (
+    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+    "standalone", "max_restarts", "monitor_interval", "start_method", "event_log_handler", "role",
+    "module", "no_python", "run_path", "log_dir", "redirects", "tee", "local_ranks_filter",
+    "duplicate_stdout_filters", "duplicate_stderr_filters", "node_rank", "master_addr",
+    "master_port", "local_addr", "logs_specs", "numa_binding", "signals_to_handle",
+    "shutdown_timeout", "virtual_local_rank",
+)
+C10D_DEFAULT_PORT = 29400  # torchrun's port for --rdzv-endpoint HOST without one
+RDZV_BACKENDS = ("static", "c10d")
+
+
+class LaunchArgumentParser(argparse.ArgumentParser):
+    """launch's own usage line on a usage error, and the nearest flag for an unknown one."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        unknown = [a for a in extra if a.startswith("-")]
+        if unknown:
+            flag = unknown[0].split("=", 1)[0]
+            near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            self.error(f"unrecognized argument {unknown[0]}{hint}")
+        if extra:  # a stray positional: argparse.REMAINDER takes everything after SCRIPT
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def add_parser(sub: Any) -> None:
+    parser_class = sub._parser_class
+    sub._parser_class = LaunchArgumentParser  # launch's usage and hints on a bad flag
+    try:
+        p = _add_parser(sub)
+    finally:
+        sub._parser_class = parser_class
+    for action in p._actions:  # torchrun reads PET_<DEST> for any option not given
+        if action.dest in TORCHRUN_DESTS and f"PET_{action.dest.upper()}" in os.environ:
+            raw = os.environ[f"PET_{action.dest.upper()}"]
+            action.default = bool(int(raw or "0")) if action.nargs == 0 else raw
+
+
+def _add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "launch",
-        help="run a script on N ranks like torchrun: one GPU per rank, fail fast, one report",
-        description="Run SCRIPT (or -m MODULE) on N ranks with torchrun's environment (RANK, "
-        "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Each rank gets its own GPU as "
-        "cuda:0 (CUDA_VISIBLE_DEVICES + CUDA_DEVICE_ORDER=PCI_BUS_ID; set_device(LOCAL_RANK) is "
-        "mapped to it); with no GPU, or --cpu, ranks run on CPU (gloo). The first rank to fail "
-        "stops the others (SIGTERM, SIGKILL after --grace) and one report names it, its cause "
-        "and its failure code; ranks stuck in init_process_group or a collective while others "
-        "are missing or elsewhere are reported with their stacks after --stall-timeout. Exit code: the "
-        "failing rank's (128+N for signal N); 1 for a stall; 2 usage; 3 no GPU; 4 too few GPUs. "
-        "Multi-node: run it once per node with --nnodes N --node-rank R --master-addr HOST "
-        "--master-port P (torchrun's static rendezvous: ranks numbered node by node, rank 0 hosts "
-        "the c10d TCPStore), or inside a Slurm allocation as `srun --ntasks-per-node=1 gpuwarden "
-        "launch SCRIPT` with no flags; every node runs a bounded preflight of the rendezvous "
-        "first, a node whose rank fails stops every node, and node 0 names missing ranks.",
+        help="a drop-in for torchrun: GPUs chosen and leased first, fail fast, one report",
+        description="Run SCRIPT (or -m MODULE) on N ranks as torchrun does: the same command "
+        "line, the same environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, "
+        "...), the same GPU visibility: every rank sees the job's GPUs in rank order, so "
+        "cuda:LOCAL_RANK is its own (gpuwarden chooses and leases them first; --bind rank "
+        "shows each rank only its own, as cuda:0). With no GPU, or --cpu, ranks run on CPU "
+        "(gloo). The first rank to fail stops the others (SIGTERM, SIGKILL after --grace) and "
+        "one report names it, its cause and its failure code; ranks stuck in "
+        "init_process_group or a collective while others are missing or elsewhere are "
+        "reported with their stacks after --stall-timeout. Exit code: the failing rank's "
+        "(128+N for signal N); 1 for a stall; 2 usage; 3 no GPU; 4 too few GPUs. Multi-node: "
+        "once per node with --nnodes N --node-rank R --master-addr HOST --master-port P "
+        "(or --rdzv-endpoint HOST:PORT), or inside Slurm as `srun --ntasks-per-node=1 "
+        "gpuwarden launch SCRIPT`. Every torchrun flag is accepted, also from PET_* variables; "
+        "docs/launch.md says what each does here.",
     )
-    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
-                   metavar="N", help="number of ranks (default: --gpus, else 1)")
-    p.add_argument("--gpus", default=None, metavar="N|all",
+    g = p.add_argument_group("ranks and GPUs")
+    g.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+                   default=None, metavar="N|auto|gpu|cpu",
+                   help="ranks on this node: N; gpu: one per usable GPU; cpu: one per CPU core; "
+                   "auto: gpu when there are GPUs, else cpu (default: --gpus, else 1)")
+    g.add_argument("--gpus", default=None, metavar="N|all",
                    help="run on N GPUs, one rank each, or on every usable GPU")
-    p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even if GPUs are present")
-    p.add_argument("--share", action="store_true",
-                   help="allow more ranks than GPUs, round-robin; NCCL refuses two ranks on one "
-                   "GPU, so gpuwarden.distributed.init() picks gloo for ranks that share one")
-    p.add_argument("--bind", choices=("rank", "all"), default="rank",
-                   help="rank: each rank sees only its GPU, as cuda:0 (default); all: every rank "
-                   "sees the job's GPUs in rank order, as torchrun does")
-    p.add_argument("--min-free", metavar="SIZE", default="0", help="minimum free memory per GPU")
-    p.add_argument("--wait", metavar="DURATION", default=None,
+    g.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even if GPUs are present")
+    g.add_argument("--share", action="store_true",
+                   help="allow more ranks than GPUs, round-robin (implies --bind rank); NCCL "
+                   "refuses two ranks on one GPU, so gpuwarden.distributed.init() picks gloo for "
+                   "ranks that share one")
+    g.add_argument("--bind", choices=("all", "rank"), default=None,
+                   help="all (default, torchrun's): every rank sees the job's GPUs in rank order, "
+                   "cuda:LOCAL_RANK is its own; rank: each rank sees only its own GPU, as cuda:0, "
+                   "and LOCAL_RANK=0 (= --virtual-local-rank; no NVLink/P2P between ranks)")
+    g.add_argument("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank",
+                   action="store_true", help="torchrun's name for --bind rank")
+    g.add_argument("--min-free", metavar="SIZE", default="0", help="minimum free memory per GPU")
+    g.add_argument("--wait", metavar="DURATION", default=None,
                    help="wait up to DURATION for enough usable GPUs (e.g. 10m)")
-    p.add_argument("--stall-timeout", metavar="DURATION", default="5m",
+
+    g = p.add_argument_group("failures and stalls")
+    g.add_argument("--stall-timeout", metavar="DURATION", default="5m",
                    help="report ranks waiting this long in init_process_group or a collective "
-                   "while others are missing or elsewhere (default 5m; rank 0 alone preparing data while the others wait at a barrier is legitimate, so the default is not seconds)")
-    p.add_argument("--keep-waiting", action="store_true",
+                   "while others are missing or elsewhere (default 5m: rank 0 alone preparing "
+                   "data while the others wait at a barrier is legitimate)")
+    g.add_argument("--keep-waiting", action="store_true",
                    help="after a stall report, keep the job running instead of stopping it")
-    p.add_argument("--grace", metavar="DURATION", default="5s",
-                   help="time between SIGTERM and SIGKILL when stopping ranks (default 5s)")
-    p.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT",
-                   help="rendezvous port (default: a free one; with --nnodes required, the same "
-                   "on every node); a busy one fails at once")
-    p.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
-                   help="node 0's address, the same on every node (--nnodes > 1; default "
-                   "127.0.0.1 on one node)")
-    p.add_argument("--nnodes", default=None, metavar="N",
+    g.add_argument("--grace", "--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout",
+                   metavar="DURATION", default=None,
+                   help="time between the stop signal and SIGKILL when stopping ranks (default "
+                   "5s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds); a second Ctrl-C kills at once")
+    g.add_argument("--signals-to-handle", "--signals_to_handle", dest="signals_to_handle",
+                   default=None, metavar="SIGS",
+                   help="signals passed on to every rank's process group (default "
+                   "SIGTERM,SIGINT,SIGHUP,SIGQUIT: each stops the job; SIGUSR1 and SIGUSR2 are "
+                   "always passed on and the job goes on, as is any other signal named here)")
+    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                   metavar="N", help="accepted for torchrun command lines; restarts are not "
+                   "implemented yet: the job runs once (a note says so when N > 0)")
+    g.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval",
+                   type=float, default=None, metavar="SECONDS",
+                   help="how often ranks are checked (default 0.05; a rank's exit is seen at "
+                   "once in any case)")
+
+    g = p.add_argument_group("rendezvous (multi-node)")
+    g.add_argument("--nnodes", default=None, metavar="N",
                    help="nodes in the job, each running gpuwarden launch (default 1, or Slurm's "
                    "SLURM_NNODES inside an srun step); torchrun's N:N form is accepted")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=None, metavar="R",
-                   help="this node's index, 0..N-1; node 0 runs rank 0 and hosts the store "
-                   "(default 0, or SLURM_NODEID)")
-    p.add_argument("--rdzv-timeout", "--rdzv_timeout", default="5m", metavar="DURATION",
-                   help="nodes > 0: how long to wait for MASTER_ADDR:MASTER_PORT to accept "
-                   "connections before any rank starts (default 5m)")
-    p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
-                   help="also write each rank's output to DIR/rank<N>.log")
-    p.add_argument("--quiet", action="store_true", help="show only rank 0's output on the terminal")
-    p.add_argument("--json", action="store_true",
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+                   metavar="R", help="this node's index, 0..N-1; node 0 runs rank 0 and hosts "
+                   "the store (default 0, or SLURM_NODEID)")
+    g.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                   metavar="HOST", help="node 0's address, the same on every node (--nnodes > 1; "
+                   "default localhost on one node)")
+    g.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   metavar="PORT", help="rendezvous port (default: a free one; with --nnodes "
+                   "required, the same on every node); a busy one fails at once")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
+                   metavar="static|c10d", help="static (default) or c10d: both run on the "
+                   "job's own c10d TCPStore hosted by rank 0; c10d with --nnodes > 1 needs "
+                   "--node-rank (node 0 owns --rdzv-endpoint)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
+                   metavar="HOST[:PORT]", help="the store's address, taken as --master-addr and "
+                   f"--master-port (port {C10D_DEFAULT_PORT} when left out)")
+    g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="ID",
+                   help="the job's id (TORCHELASTIC_RUN_ID; names the --log-dir subdirectory)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="", metavar="K=V,...",
+                   help="join_timeout=SECONDS sets --rdzv-timeout; other keys are accepted and "
+                   "have no effect")
+    g.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", default="5m",
+                   metavar="DURATION", help="nodes > 0: how long to wait for MASTER_ADDR:"
+                   "MASTER_PORT to accept connections before any rank starts (default 5m)")
+    g.add_argument("--standalone", action="store_true",
+                   help="one node on a free port (torchrun's standalone): the --rdzv-* flags "
+                   "are ignored")
+    g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=None,
+                   metavar="HOST", help="accepted for torchrun command lines; no effect (ranks "
+                   "meet at MASTER_ADDR; pin interfaces with NCCL_/GLOO_SOCKET_IFNAME)")
+
+    g = p.add_argument_group("output and logs")
+    g.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="DIR",
+                   help="torchrun's layout: DIR/<run id>_<random>/attempt_0/<local rank>/"
+                   "{stdout,stderr}.log for the streams of --tee/--redirects, and error.json")
+    g.add_argument("-r", "--redirects", dest="redirects", default="0", metavar="SPEC",
+                   help="streams written to the log files only: 1 stdout, 2 stderr, 3 both, "
+                   "or per local rank (0:1,1:2)")
+    g.add_argument("-t", "--tee", dest="tee", default="0", metavar="SPEC",
+                   help="streams written to the log files and the console (as --redirects)")
+    g.add_argument("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter",
+                   default="", metavar="RANKS",
+                   help="show only these local ranks' output on the console (e.g. 0,1); "
+                   "log files get every rank's")
+    g.add_argument("--duplicate-stdout-filters", "--duplicate_stdout_filters",
+                   dest="duplicate_stdout_filters", default="", metavar="WORDS",
+                   help="also copy stdout lines containing any of these (comma-separated; ,, "
+                   "for a comma) to attempt_0/filtered_stdout.log")
+    g.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters",
+                   dest="duplicate_stderr_filters", default="", metavar="WORDS",
+                   help="the same for stderr (filtered_stderr.log)")
+    g.add_argument("--quiet", action="store_true", help="show only rank 0's output on the console")
+    g.add_argument("--json", action="store_true",
                    help="print the final report as JSON on stdout (schema_version 1)")
-    p.add_argument("-m", "--module", action="store_true",
+
+    g = p.add_argument_group("what each rank runs")
+    g.add_argument("-m", "--module", action="store_true",
                    help="SCRIPT is a module name, run as python -m MODULE")
-    # torchrun flag accepted for drop-in use: one node, nothing to rendezvous with.
-    p.add_argument("--standalone", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                   help="run SCRIPT itself (an executable), not python SCRIPT; without the "
+                   "bootstrap, stalls are not reported")
+    g.add_argument("--run-path", "--run_path", dest="run_path", action="store_true",
+                   help="run SCRIPT (an absolute path) with runpy.run_path, as every rank does "
+                   "here anyway")
+    g.add_argument("--role", default="default", help="the workers' role (ROLE_NAME)")
+    g.add_argument("--start-method", "--start_method", dest="start_method", default="spawn",
+                   choices=("spawn", "fork", "forkserver"),
+                   help="accepted for torchrun command lines: ranks are always fresh processes "
+                   "(python started anew, as spawn)")
+    g.add_argument("--event-log-handler", "--event_log_handler", dest="event_log_handler",
+                   default="null", metavar="NAME",
+                   help="accepted for torchrun command lines; gpuwarden logs no torchelastic events")
+    g.add_argument("--logs-specs", "--logs_specs", dest="logs_specs", default=None,
+                   metavar="NAME", help="torchrun's custom LogsSpecs entry point: refused (the "
+                   "supervisor loads no torch plugins); --log-dir/--tee/--redirects give "
+                   "torchrun's default layout")
+    g.add_argument("--numa-binding", "--numa_binding", dest="numa_binding", default=None,
+                   choices=("node", "socket", "exclusive", "core-complex"),
+                   help="accepted for torchrun command lines; not applied yet (a note says so)")
     p.add_argument("script", metavar="SCRIPT", help="the script (or module with -m) to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments for the script")
     p.set_defaults(run=run)
+    return p
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    import os
-
-    from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, LaunchConfig
+    from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STOP_SIGNALS, LaunchConfig
     from gpuwarden.units import parse_duration, parse_size
 
-    nnodes = _nnodes(args.nnodes) if args.nnodes is not None else None
-    node_rank, master_addr, master_port = args.node_rank, args.master_addr, args.master_port
-    nproc, source = args.nproc, "flags"
+    if args.logs_specs:
+        raise UsageError(f"--logs-specs {args.logs_specs}: custom torchrun LogsSpecs are not "
+                         "supported", why="they are Python classes loaded into torchrun's agent; "
+                         "gpuwarden's supervisor loads no torch plugins",
+                         fix="leave --logs-specs out: --log-dir with --tee/--redirects writes "
+                         "torchrun's default layout")
+    if args.no_python and args.module:
+        raise UsageError("--no-python and -m contradict each other (torchrun refuses them too)",
+                         fix="give one of them")
+    rdzv = _rendezvous(args)
+    nnodes, node_rank = rdzv["nnodes"], rdzv["node_rank"]
+    master_addr, master_port = rdzv["master_addr"], rdzv["master_port"]
+    nproc, nproc_auto, cpu = _nproc(args.nproc_per_node), False, args.cpu
+    gpus: int | str | None = args.gpus
+    if args.nproc_per_node in ("auto", "gpu", "cpu"):
+        nproc = None
+        if args.nproc_per_node == "gpu":
+            gpus = gpus or "all"
+        elif args.nproc_per_node == "cpu":
+            from gpuwarden.launch.plan import cpu_count
+
+            cpu, nproc = True, cpu_count()
+        else:
+            nproc_auto = True
+    source = "flags"
     if nnodes is None and not args.standalone:
         from gpuwarden.launch.slurm import slurm_settings
 
@@ -99,36 +261,155 @@ def config_from_args(args: argparse.Namespace) -> Any:
                 # allocation never collide (and a busy derived port is no user error).
                 master_addr = master_addr or slurm.master_addr
                 master_port = master_port or slurm.master_port
-            if nproc is None and args.gpus is None and not args.cpu:
+            if nproc is None and gpus is None and not cpu and not nproc_auto:
                 nproc = slurm.nproc
-    gpus: int | str | None = args.gpus
     if isinstance(gpus, str) and gpus != "all":
         if not gpus.isdigit():
             raise UsageError(f"--gpus {gpus!r} is neither a number nor 'all'", fix="--gpus 2 or --gpus all")
         gpus = int(gpus)
+    bind = "rank" if args.virtual_local_rank else (args.bind or "")
+    if args.virtual_local_rank and args.bind == "all":
+        raise UsageError("--virtual-local-rank and --bind all contradict each other",
+                         fix="--virtual-local-rank is --bind rank: give one of them")
+    signals = tuple(s.strip().upper() for s in args.signals_to_handle.split(",") if s.strip()) \
+        if args.signals_to_handle else STOP_SIGNALS
     return LaunchConfig(
         target=args.script,
         args=tuple(args.script_args),
         module=args.module,
         nproc=nproc,
+        nproc_auto=nproc_auto,
         gpus=gpus,
-        cpu=args.cpu,
+        cpu=cpu,
         share=args.share,
-        bind=args.bind,
+        bind=bind,
         min_free_bytes=parse_size(args.min_free, what="--min-free"),
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,
         stall_timeout_s=parse_duration(args.stall_timeout, what="--stall-timeout"),
         keep_waiting=args.keep_waiting,
-        grace_s=parse_duration(args.grace, what="--grace"),
+        grace_s=_grace(args.shutdown_timeout),
         master_port=master_port,
         master_addr=master_addr or DEFAULT_MASTER_ADDR,
         nnodes=1 if nnodes is None else nnodes,
         node_rank=node_rank or 0,
-        rdzv_timeout_s=parse_duration(args.rdzv_timeout, what="--rdzv-timeout"),
+        rdzv_timeout_s=rdzv["timeout_s"] if rdzv["timeout_s"] is not None
+        else parse_duration(args.rdzv_timeout, what="--rdzv-timeout"),
+        rdzv_id=None if args.standalone or args.rdzv_id in (None, "none") else args.rdzv_id,
         source=source,
         log_dir=args.log_dir,
         quiet=args.quiet,
+        role=args.role,
+        max_restarts=args.max_restarts,
+        monitor_interval_s=args.monitor_interval or 0.05,
+        start_method=args.start_method,
+        no_python=args.no_python,
+        run_path=args.run_path,
+        redirects=str(args.redirects),
+        tee=str(args.tee),
+        local_ranks_filter=_ranks_filter(args.local_ranks_filter),
+        duplicate_stdout_filters=_filters(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=_filters(args.duplicate_stderr_filters),
+        signals_to_handle=signals,
     )
+
+
+def _nproc(text: str | None) -> int | None:
+    if text is None or text in ("auto", "gpu", "cpu"):
+        return None
+    if str(text).strip().isdigit():
+        return int(text)
+    if text == "xpu":
+        raise UsageError("--nproc-per-node xpu: gpuwarden launches on NVIDIA GPUs or CPU",
+                         fix="--nproc-per-node gpu, cpu, auto or a number")
+    raise UsageError(f"--nproc-per-node {text!r} is not a number, auto, gpu or cpu",
+                     fix="e.g. --nproc-per-node 4 or --nproc-per-node gpu")
+
+
+def _grace(text: str | None) -> float:
+    """--grace/--shutdown-timeout (torchrun's is in seconds: a bare number is seconds here too),
+    else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 5 s."""
+    from gpuwarden.launch.config import DEFAULT_GRACE_S
+    from gpuwarden.units import parse_duration
+
+    if text is None:
+        env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+        if not env:
+            return DEFAULT_GRACE_S
+        text = env
+    return parse_duration(text, what="--shutdown-timeout")
+
+
+def _ranks_filter(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        raise UsageError(f"--local-ranks-filter {text!r} is not a list of local ranks",
+                         fix="e.g. --local-ranks-filter 0,1")
+    return frozenset(int(p) for p in parts)
+
+
+def _filters(text: str | Sequence[str]) -> tuple[str, ...]:
+    """torchrun's comma-separated list, where ``,,`` stands for a comma."""
+    if not isinstance(text, str):
+        return tuple(text)
+    marker = "\0"
+    return tuple(p.replace(marker, ",") for p in text.replace(",,", marker).split(",") if p)
+
+
+def _rendezvous(args: argparse.Namespace) -> dict[str, Any]:
+    """torchrun's rendezvous flags mapped onto gpuwarden's static one (rank 0 hosts the job's
+    c10d TCPStore at MASTER_ADDR:MASTER_PORT; ranks are numbered node by node)."""
+    from gpuwarden.units import parse_duration
+
+    out: dict[str, Any] = {"nnodes": _nnodes(args.nnodes) if args.nnodes is not None else None,
+                           "node_rank": args.node_rank, "master_addr": args.master_addr,
+                           "master_port": args.master_port, "timeout_s": None}
+    if args.standalone:
+        return out  # torchrun: the --rdzv-* flags are ignored
+    backend = str(args.rdzv_backend).lower()
+    if backend not in RDZV_BACKENDS:
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend}: gpuwarden supports static and c10d",
+                         why="both map onto the job's own c10d TCPStore, hosted by rank 0; "
+                         "etcd and custom backends would need their client in the supervisor",
+                         fix="--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --master-addr "
+                         "HOST --master-port PORT")
+    for item in (s for s in str(args.rdzv_conf).split(",") if s.strip()):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--rdzv-conf {args.rdzv_conf!r}: {item!r} is not KEY=VALUE",
+                             fix="e.g. --rdzv-conf join_timeout=900")
+        if key.strip() == "join_timeout":
+            out["timeout_s"] = parse_duration(value.strip(), what="--rdzv-conf join_timeout")
+    if args.rdzv_endpoint:
+        host, port = _endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT if backend == "c10d" else 29500)
+        out["master_addr"], out["master_port"] = host, port
+        if out["nnodes"] is None:
+            out["nnodes"] = 1
+    if backend == "c10d" and (out["nnodes"] or 1) > 1 and out["node_rank"] is None \
+            and "SLURM_NODEID" not in os.environ:
+        raise UsageError(
+            f"--rdzv-backend c10d with --nnodes {out['nnodes']} needs --node-rank on each node",
+            why="gpuwarden's rendezvous is static: ranks are numbered node by node, so each node "
+            "must know its index (torch's dynamic c10d rendezvous assigns it on arrival)",
+            fix="add --node-rank 0 on the host of --rdzv-endpoint and 1..N-1 on the others "
+            "(under srun, SLURM_NODEID gives it)")
+    return out
+
+
+def _endpoint(text: str, default_port: int) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = text.rpartition(":") if text.count(":") == 1 else (text, "", "")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit():
+        raise UsageError(f"--rdzv-endpoint {text!r}: {port_text!r} is not a port",
+                         fix="--rdzv-endpoint HOST:PORT, e.g. 10.0.0.4:29400")
+    return host, int(port_text)
 
 
 def _nnodes(text: str) -> int:
@@ -148,6 +429,15 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.launch.runner import launch
 
     config = config_from_args(args)
+    notes = []
+    if args.numa_binding:
+        notes.append(f"--numa-binding {args.numa_binding} is not applied: ranks run on every "
+                     "CPU this launch may use")
+    if args.event_log_handler not in (None, "null"):
+        notes.append(f"--event-log-handler {args.event_log_handler}: gpuwarden logs no "
+                     "torchelastic events")
+    for note in notes:
+        print(f"gpuwarden: {note}", file=sys.stderr)
     report, _outcome = launch(config)
     if not report.ok or not args.quiet:
         print(report.render(), file=sys.stderr)

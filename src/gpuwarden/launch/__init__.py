@@ -3,11 +3,13 @@
     config.py      LaunchConfig: what the user asked for, validated once
     preflight.py   the checks that touch the host before anything starts (GPUs, MASTER_PORT)
     plan.py        PURE: config + GPUs + port -> one RankSpec (argv, env, GPU) per rank
-    supervisor.py  runs one plan: composes the parts below, relays output, multi-node abort
+    supervisor.py  runs one plan: composes the parts below, passes signals on, multi-node abort
     pcontext.py    the process context: start, signal groups, bounded stop and reap, subreaper
-    sampler.py     where each rank is, from outside: faulthandler stack dumps, CPU time
+    relay.py       the output relay: [rankN]: prefixes, torchrun's log files, the report's tail
+    sampler.py     where each rank is, from outside: sampled stacks, CPU time
     stall.py       PURE: frames -> what a rank waits in; decide_stall(observations, now)
     flight_recorder.py  NCCL's flight recorder: turned on for GPU ranks, read into reports
+    placement.py   PURE judgement: ranks whose CUDA context sits on another rank's GPU
     status.py      the bootstrap's started/finished/failed record (an mmap'd file)
     report.py      the one report: root-cause rank, its cause, the failure code
 

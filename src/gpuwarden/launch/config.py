@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 
 from gpuwarden.errors import UsageError
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
-DEFAULT_MASTER_ADDR = "127.0.0.1"
+# What torchrun gives its workers on one node (its agent's store host): a script that checks
+# MASTER_ADDR, or builds an init_method from it, sees the same.
+DEFAULT_MASTER_ADDR = "localhost"
+DEFAULT_MONITOR_INTERVAL_S = 0.05
+# torchrun's --signals-to-handle default: each stops the job, passed on to every rank.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# Passed on to every rank's process group and the job goes on: Slurm's preemption notice
+# (``--signal=USR1@60``) must reach the script, which decides (checkpoint, requeue, exit).
+FORWARDED_SIGNALS = ("SIGUSR1", "SIGUSR2")
+START_METHODS = ("spawn", "fork", "forkserver")
 # How long a node > 0 waits for MASTER_ADDR:MASTER_PORT to accept connections before any rank
 # starts: nodes are started by hand, ssh or Slurm within minutes of each other, not hours.
 DEFAULT_RDZV_TIMEOUT_S = 300.0
@@ -22,19 +32,24 @@ class LaunchConfig:
     ``nproc`` ranks run ``target`` (a script path, or a module name when ``module``).
     ``gpus``: None lets the host decide (GPUs when NVML shows usable ones, else CPU),
     an int asks for that many GPUs (one per rank), "all" for every usable GPU.
-    ``bind``: "rank" gives each rank only its own GPU (it is ``cuda:0`` there); "all" gives
-    every rank all the job's GPUs in rank order (torchrun's behaviour: the script must call
-    ``set_device(local_rank)``).
+    ``bind``: "all" (the default, torchrun's visibility) gives every rank all the job's GPUs
+    in rank order, so ``cuda:LOCAL_RANK`` is its own; "rank" gives each rank only its own GPU,
+    as ``cuda:0``, with ``LOCAL_RANK=0`` (torchrun's ``--virtual-local-rank``).
+
+    The torchrun-only settings (``role``, ``no_python``, ``run_path``, ``redirects``, ``tee``,
+    ``local_ranks_filter``, ``signals_to_handle``, ``max_restarts``, ...) keep torchrun's
+    meaning; docs/launch.md lists each flag and what gpuwarden does with it.
     """
 
     target: str
     args: tuple[str, ...] = ()
     module: bool = False
     nproc: int | None = None
+    nproc_auto: bool = False  # torchrun's --nproc-per-node auto: every usable GPU, else CPU cores
     gpus: int | str | None = None
     cpu: bool = False
     share: bool = False
-    bind: str = "rank"
+    bind: str = ""  # "": "all", or "rank" with --share (CUDA refuses one GPU named twice)
     min_free_bytes: int = 0
     wait_s: float | None = None
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
@@ -51,8 +66,24 @@ class LaunchConfig:
     rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S
     # Where the multi-node settings came from ("flags", "slurm"): said in notes and reports.
     source: str = "flags"
+    role: str = "default"
+    max_restarts: int = 0
+    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+    start_method: str = "spawn"
+    no_python: bool = False
+    run_path: bool = False
+    # torchrun's Std spec per local rank: 0 none, 1 stdout, 2 stderr, 3 both ("3" or "0:1,1:2")
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    signals_to_handle: tuple[str, ...] = STOP_SIGNALS
+    rdzv_id: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.bind:
+            object.__setattr__(self, "bind", "rank" if self.share else "all")
         _validate(self)
 
     @property
@@ -82,10 +113,28 @@ def _validate(c: LaunchConfig) -> None:
             fix=f"give only one of them, or --share to put {c.nproc} ranks on {c.gpus} GPU(s)",
         )
     if c.bind not in ("rank", "all"):
-        raise UsageError(f"--bind {c.bind!r} is not 'rank' or 'all'", fix="--bind rank (default) or all")
+        raise UsageError(f"--bind {c.bind!r} is not 'rank' or 'all'", fix="--bind all (default) or rank")
     if c.bind == "all" and c.share:
         raise UsageError("--bind all with --share would name one GPU twice in CUDA_VISIBLE_DEVICES "
-                         "(CUDA then sees none)", fix="use --bind rank (the default) with --share")
+                         "(CUDA then sees none)", fix="leave --bind out with --share (each rank "
+                         "then sees its GPU as cuda:0, LOCAL_RANK=0)")
+    if c.max_restarts < 0:
+        raise UsageError(f"--max-restarts {c.max_restarts} is negative", fix="--max-restarts 0")
+    if c.monitor_interval_s <= 0:
+        raise UsageError("--monitor-interval must be more than 0", fix="e.g. --monitor-interval 0.1")
+    if c.start_method not in START_METHODS:
+        raise UsageError(f"--start-method {c.start_method!r} is not one of {', '.join(START_METHODS)}",
+                         fix="--start-method spawn")
+    if c.run_path and not c.module and not os.path.isabs(c.target):
+        raise UsageError(f"--run-path needs an absolute script path, not {c.target!r}",
+                         why="torchrun runs it with runpy.run_path in its own interpreter, which "
+                         "resolves a relative path against wherever that process stands",
+                         fix=f"--run-path {os.path.abspath(c.target)}")
+    _validate_signals(c.signals_to_handle)
+    from gpuwarden.launch.relay import parse_std_spec
+
+    parse_std_spec(c.redirects, what="--redirects")
+    parse_std_spec(c.tee, what="--tee")
     if c.master_port is not None and not 1 <= c.master_port <= 65535:
         raise UsageError(f"--master-port {c.master_port} is not a TCP port", fix="give 1..65535")
     if c.stall_timeout_s <= 0:
@@ -109,9 +158,55 @@ def _validate(c: LaunchConfig) -> None:
                              "nodes share)")
     if not c.target:
         raise UsageError("no script to run", fix="gpuwarden launch -n 2 train.py [ARGS...]")
-    if not c.module and not os.path.isfile(c.target):
-        # Fail here once rather than N ranks printing the same "can't open file".
-        raise UsageError(f"script {c.target!r} does not exist",
-                         fix="give the path of a Python script, or -m MODULE")
+    if not c.module:
+        check_script(c.target, executable=c.no_python and not c.run_path)
     if c.log_dir is not None and os.path.exists(c.log_dir) and not os.path.isdir(c.log_dir):
         raise UsageError(f"--log-dir {c.log_dir!r} is a file", fix="name a directory")
+
+
+def check_script(path: str, *, executable: bool = False) -> None:
+    """Refuse, once and before any rank starts, a script N ranks could not run: missing, a
+    directory, a FIFO or other special file (a rank would block on it, or read it once), or
+    unreadable (and, with --no-python, not executable). UsageError (exit 2) naming which."""
+    fix = "give the path of a Python script, or -m MODULE"
+    if executable and os.sep not in path:
+        import shutil
+
+        if shutil.which(path) is not None:
+            return  # --no-python runs a command from PATH, as torchrun's exec does
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UsageError(f"script {path!r} does not exist", fix=fix) from None
+    except OSError as exc:
+        raise UsageError(f"script {path!r} cannot be read: {exc.strerror}", fix=fix) from None
+    if stat.S_ISDIR(st.st_mode):
+        hint = os.path.join(path, "__main__.py")
+        raise UsageError(f"script {path!r} is a directory",
+                         fix=f"name the script inside it{' (' + hint + ')' if os.path.exists(hint) else ''}, "
+                         "or run a package with -m PACKAGE")
+    if stat.S_ISFIFO(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+        raise UsageError(f"script {path!r} is {kind}",
+                         why="every rank would open it: each would block on it, or read what "
+                         "another rank already consumed", fix=fix)
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"script {path!r} is not readable by this user",
+                         why="every rank would fail at once with 'Permission denied'",
+                         fix=f"chmod a+r {path}, or run as a user who may read it")
+    if executable and not os.access(path, os.X_OK):
+        raise UsageError(f"--no-python: {path!r} is not executable",
+                         why="the ranks run it directly, without python", fix=f"chmod +x {path}")
+
+
+def _validate_signals(names: tuple[str, ...]) -> None:
+    import signal
+
+    for name in names:
+        sig = getattr(signal, name, None)
+        if not name.startswith("SIG") or not isinstance(sig, signal.Signals):
+            raise UsageError(f"--signals-to-handle: {name!r} is not a signal name",
+                             fix="e.g. --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle: {name} cannot be caught, so not passed on",
+                             fix=f"drop {name}")

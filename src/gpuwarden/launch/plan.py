@@ -1,13 +1,19 @@
 """The plan: a PURE function from the config, the GPUs taken and the port to one RankSpec per rank.
 
 Nothing here starts a process or reads the host, so tests check every rank's environment
-directly (STYLE.md, after accelerate's ``prepare_*_env``). The environment is what torchrun's
-standalone mode gives a worker, so torchrun scripts run unchanged, plus:
+directly (STYLE.md, after accelerate's ``prepare_*_env``). The environment is what torchrun
+gives a worker, so torchrun scripts run unchanged (docs/launch.md lists every difference), plus:
 
-- ``CUDA_VISIBLE_DEVICES`` naming only the rank's own GPU (``--bind rank``, the default), so it
-  is ``cuda:0`` in the rank, and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so the index means NVML's GPU;
+- ``CUDA_VISIBLE_DEVICES`` naming the job's GPUs (the ones gpuwarden chose and leased) in rank
+  order, so ``cuda:LOCAL_RANK`` is the rank's own GPU as under torchrun (``--bind all``, the
+  default); ``--bind rank`` (torchrun's ``--virtual-local-rank``) names only the rank's own GPU,
+  which is then ``cuda:0``, with ``LOCAL_RANK=0``; ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so an index
+  means NVML's GPU;
 - ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden.launch._bootstrap`) where to write its
   progress, error record and stack dumps.
+
+The command is torchrun's (``python -u SCRIPT``, ``PYTHON_EXEC`` honoured) with the bootstrap
+in between: ``python -u -m gpuwarden.launch._bootstrap SCRIPT ARGS``; ``--no-python`` runs the target itself.
 
 With ``--nnodes N --node-rank R`` (docs/multinode.md) ranks are numbered node by node as in
 torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORLD_SIZE`` is
@@ -72,6 +78,12 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()
     nnodes: int = 1
     node_rank: int = 0
+    log_run_dir: str | None = None  # torchrun's <log-dir>/<run id>_<suffix> (--log-dir, -t, -r)
+
+    @property
+    def attempt_dir(self) -> str | None:
+        """Where this attempt's log files go (torchrun's layout), None when none are written."""
+        return os.path.join(self.log_run_dir, "attempt_0") if self.log_run_dir else None
 
     @property
     def world_size(self) -> int:
@@ -91,15 +103,42 @@ class LaunchPlan:
         return rank // max(1, len(self.ranks))
 
 
+def rank_argv(config: LaunchConfig, python: str) -> tuple[str, ...]:
+    """torchrun's command (``python -u [-m] TARGET ARGS``) with the bootstrap in between; the
+    target itself with ``--no-python`` (no bootstrap: no progress record, so no stall report).
+    ``--run-path`` is the plain case: the bootstrap runs the script as ``python SCRIPT`` does."""
+    if config.no_python and not config.run_path:
+        return (config.target, *config.args)
+    tail = ("-m", config.target) if config.module else (config.target,)
+    return (python, "-u", "-m", "gpuwarden.launch._bootstrap", *tail, *config.args)
+
+
+def error_file(log_run_dir: str, local_rank: int) -> str:
+    """TORCHELASTIC_ERROR_FILE in torchrun's layout: ``attempt_0/<local rank>/error.json``."""
+    return os.path.join(log_run_dir, "attempt_0", str(local_rank), "error.json")
+
+
 def rank_count(config: LaunchConfig, usable_gpus: int | None) -> int:
-    """How many ranks: -n, else --gpus N, else every usable GPU for --gpus all, else 1."""
+    """How many ranks: -n, else --gpus N, else every usable GPU for --gpus all, else 1;
+    ``--nproc-per-node auto``: every usable GPU, else one per CPU core (as torchrun)."""
     if config.nproc is not None:
         return config.nproc
     if isinstance(config.gpus, int):
         return config.gpus
     if config.gpus == "all":
         return max(1, usable_gpus or 0)
+    if config.nproc_auto:
+        return usable_gpus or cpu_count()
     return 1
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (torch._utils.cpu_count's answer for torchrun's
+    ``--nproc-per-node cpu``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def make_plan(
@@ -112,29 +151,31 @@ def make_plan(
     supervisor_pid: int,
     python: str,
     base_env: Mapping[str, str],
+    log_run_dir: str | None = None,
 ) -> LaunchPlan:
     """One RankSpec per rank. ``gpus`` empty: CPU ranks. Otherwise one GPU per rank, or, with
-    ``config.share``, ranks spread round-robin over ``gpus``."""
+    ``config.share``, ranks spread round-robin over ``gpus``. ``log_run_dir``: torchrun's
+    ``<log-dir>/<run id>_<suffix>`` when ``--log-dir`` is given (error files go under it)."""
     local = rank_count(config, len(gpus))
     if gpus and len(gpus) < local and not config.share:
         raise ValueError(f"{local} ranks need {local} GPUs, {len(gpus)} given")  # preflight's job
     world = local * config.nnodes
     first = config.node_rank * local  # torchrun static: ranks numbered node by node
-    argv_tail = ("-m", config.target) if config.module else (config.target,)
-    argv = (python, "-m", "gpuwarden.launch._bootstrap", *argv_tail, *config.args)
+    argv = rank_argv(config, base_env.get("PYTHON_EXEC") or python)
     notes: list[str] = []
     common = {
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(local),
         "GROUP_RANK": str(config.node_rank),
         "GROUP_WORLD_SIZE": str(config.nnodes),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": config.role,
         "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals_to_handle),
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "GPUWARDEN_SUPERVISOR_PID": str(supervisor_pid),
@@ -150,10 +191,6 @@ def make_plan(
                        "GPUWARDEN_RDZV_TIMEOUT": f"{config.rdzv_timeout_s:g}"})
     if local > 1 and "OMP_NUM_THREADS" not in base_env:
         common["OMP_NUM_THREADS"] = "1"
-    # The supervisor relays output line by line; a block-buffered pipe would hold a rank's
-    # lines back until it exits, losing their order against the other ranks (and a crash's).
-    if "PYTHONUNBUFFERED" not in base_env:
-        common["PYTHONUNBUFFERED"] = "1"
     if config.cpu:
         common["CUDA_VISIBLE_DEVICES"] = ""  # --cpu: a rank must not start CUDA by accident
     common.update(dict(config.extra_env))
@@ -170,9 +207,10 @@ def make_plan(
         env = dict(common)
         env.update({
             "RANK": str(rank),
-            "LOCAL_RANK": str(i),
+            # --bind rank is torchrun's --virtual-local-rank: the rank's one GPU is cuda:0
+            "LOCAL_RANK": "0" if config.bind == "rank" else str(i),
             "ROLE_RANK": str(rank),
-            "TORCHELASTIC_ERROR_FILE": os.path.join(run_dir, f"rank{rank}.torchelastic.json"),
+            "TORCHELASTIC_ERROR_FILE": error_file(log_run_dir or run_dir, i),
             "GPUWARDEN_STATUS_FILE": files.status,
             "GPUWARDEN_ERROR_FILE": files.error,
             "GPUWARDEN_STACK_FILE": files.stacks,
@@ -200,4 +238,4 @@ def make_plan(
                 "NCCL refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
                 "gpuwarden.distributed.init() uses gloo for them")
     return LaunchPlan(config, tuple(ranks), config.master_addr, master_port, run_id, run_dir,
-                      tuple(notes), config.nnodes, config.node_rank)
+                      tuple(notes), config.nnodes, config.node_rank, log_run_dir)

@@ -18,6 +18,7 @@ from typing import TextIO
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
+from gpuwarden.launch.relay import needs_log_files
 from gpuwarden.launch.report import LaunchReport, build_report, stall_report
 from gpuwarden.launch.supervisor import RunOutcome, Stall, Supervisor
 
@@ -46,12 +47,24 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
         # (LaunchConfig refuses --nnodes > 1 without --master-port.)
         port = config.master_port if config.multinode and config.master_port is not None \
             else choose_port(config)
-        plan = make_plan(config, taken.gpus, master_port=port,
-                         run_id=config.run_id or _run_id(config), run_dir=work,
-                         supervisor_pid=os.getpid(), python=sys.executable, base_env=os.environ)
+        run_id = config.run_id or _run_id(config)
+        log_run_dir = _log_run_dir(config, run_id)
+        plan = make_plan(config, taken.gpus, master_port=port, run_id=run_id, run_dir=work,
+                         supervisor_pid=os.getpid(), python=sys.executable, base_env=os.environ,
+                         log_run_dir=log_run_dir)
+        for spec in plan.ranks:
+            # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
+            # torchrun's agent creates attempt_0/<local rank>/ for every rank, so does this
+            os.makedirs(os.path.dirname(spec.env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
         if argv is not None:  # spawn(): every rank runs this command instead of the target
             plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
-        for note in (*taken.notes, *plan.notes):
+        notes = [*taken.notes, *plan.notes]
+        if log_run_dir is not None:
+            notes.append(f"log directory: {log_run_dir}")
+        if config.max_restarts:
+            notes.append(f"--max-restarts {config.max_restarts}: restarts are not implemented yet; "
+                         "the job runs once and its first failure ends it")
+        for note in notes:
             print(f"gpuwarden: {note}", file=err)
         supervisor = Supervisor(plan, stdout=stdout, stderr=stderr)
 
@@ -68,10 +81,26 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _log_run_dir(config: LaunchConfig, run_id: str) -> str | None:
+    """torchrun's ``<log-dir>/<run id>_<random>`` (a fresh one per launch, so runs sharing a
+    --log-dir never mix); with --tee/--redirects but no --log-dir a temporary base, as torchrun's
+    ``torchelastic_*``, kept after the run (its files are the only copy of redirected output)."""
+    if config.log_dir is None and not needs_log_files(config.redirects, config.tee, (
+            *config.duplicate_stdout_filters, *config.duplicate_stderr_filters)):
+        return None
+    base = config.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
+    os.makedirs(base, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+    return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+
+
 def _run_id(config: LaunchConfig) -> str:
-    """One id for the whole job: every node derives the same (TORCHELASTIC_RUN_ID)."""
+    """One id for the whole job: every node derives the same (TORCHELASTIC_RUN_ID); torchrun's
+    --rdzv-id when given."""
+    if config.rdzv_id:
+        return config.rdzv_id
     if not config.multinode:
-        return uuid.uuid4().hex[:12]
+        return str(uuid.uuid4())
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         return f"slurm-{job}"

@@ -16,7 +16,6 @@ library: a launch costs tens of milliseconds before the ranks start, and never t
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import linecache
@@ -32,8 +31,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
 from gpuwarden.launch import flight_recorder
+from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
 from gpuwarden.launch.pcontext import ProcessContext
+from gpuwarden.launch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
+from gpuwarden.launch.relay import JobRelay, RankRelay
 from gpuwarden.launch.sampler import RankSampler, make_request_fifo, sample_interval
 from gpuwarden.launch.stall import (
     RankView,
@@ -44,7 +46,6 @@ from gpuwarden.launch.stall import (
 )
 from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_paths
 
-STDERR_TAIL_LINES = 40
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
@@ -107,14 +108,13 @@ class RunOutcome:
 
 
 class _Rank:
-    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], status: StatusReader) -> None:
+    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], status: StatusReader,
+                 relay: RankRelay) -> None:
         self.spec = spec
         self.proc = proc
         self.pgid = proc.pid  # start_new_session: the rank leads its own group
         self.status = status
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self.partial: dict[int, bytes] = {}
-        self.log: IO[str] | None = None
+        self.relay = relay
         self.exit: RankExit | None = None
         self.sampler: RankSampler | None = None  # once the bootstrap armed its stack handler
 
@@ -128,10 +128,18 @@ class Supervisor:
         self.config = plan.config
         self.out = stdout or sys.stdout
         self.err = stderr or sys.stderr
-        self.poll_interval_s = poll_interval_s
+        self.poll_interval_s = min(poll_interval_s, self.config.monitor_interval_s)
+        self.relay = JobRelay(self.out, self.err, redirects=self.config.redirects,
+                              tee=self.config.tee, local_ranks_filter=self.config.local_ranks_filter,
+                              quiet=self.config.quiet, attempt_dir=plan.attempt_dir,
+                              duplicate_stdout_filters=self.config.duplicate_stdout_filters,
+                              duplicate_stderr_filters=self.config.duplicate_stderr_filters)
         self.ranks: list[_Rank] = []
+        self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
         self._interrupt: str | None = None
+        self._stop_signal = signal.SIGTERM  # what a stop sends the ranks: the one received
+        self._hurry = False  # a second stop signal (Ctrl-C twice): SIGKILL without the grace
         self._stop_began: float | None = None
         self._killed = False
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
@@ -188,11 +196,7 @@ class Supervisor:
         env.update(spec.env)
         assert self._ctx is not None
         proc = self._ctx.start(spec.argv, env)
-        rank = _Rank(spec, proc, status)
-        if self.config.log_dir:
-            os.makedirs(self.config.log_dir, exist_ok=True)
-            rank.log = open(os.path.join(self.config.log_dir, f"rank{spec.rank}.log"), "w",  # noqa: SIM115
-                            encoding="utf-8")
+        rank = _Rank(spec, proc, status, self.relay.open_rank(spec.rank, spec.local_rank))
         for stream in (proc.stdout, proc.stderr):
             assert stream is not None
             os.set_blocking(stream.fileno(), False)
@@ -232,13 +236,14 @@ class Supervisor:
                         self._check_peers(now)
                     if self._stop_began is None:
                         self._check_stall(now)
+                    self._check_placement()
             else:
                 # Two independent steps of a stop: telling the other nodes must never hold
                 # back the SIGKILL of ranks that ignore SIGTERM.
                 if self.peers is not None and not self._abort_decided \
                         and now - self._stop_began >= ABORT_SELF_WAIT_S:
                     self._tell_other_nodes()
-                if not self._killed and now - self._stop_began >= self.config.grace_s:
+                if not self._killed and (self._hurry or now - self._stop_began >= self.config.grace_s):
                     self._killed = True
                     for r in live:
                         ProcessContext.signal_group(r.pgid, signal.SIGKILL)
@@ -254,10 +259,21 @@ class Supervisor:
         # may fail first) ended on its own, not because of this stop.
         self._reap_exited()
         self._stop_began = time.monotonic()
+        # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
+        # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
+        sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
-                ProcessContext.signal_group(r.pgid, signal.SIGTERM)
+                ProcessContext.signal_group(r.pgid, sig)
 
+    def _check_placement(self) -> None:
+        """Ranks crowding one GPU (a script without set_device): say so once, with the fix."""
+        if self._placement is None:
+            return
+        found = self._placement.check(
+            lambda: {r.spec.rank: pids_of(r.proc.pid) for r in self.ranks if r.exit is None})
+        if found is not None:
+            print(render_warning(found), file=self.err, flush=True)
 
     # ---- multi-node ------------------------------------------------------------------------
 
@@ -358,7 +374,7 @@ class Supervisor:
             if code != 0:
                 # Lines still in the pipe belong in the report's tail.
                 self._drain(r)
-                r.exit.stderr_tail = list(r.stderr_tail)
+                r.exit.stderr_tail = list(r.relay.stderr_tail)
                 if not r.exit.fatal_dump.strip():
                     # torch's @record (elastic's error handler) re-enables faulthandler on
                     # stderr, replacing the bootstrap's file: the dump is in the output then.
@@ -384,11 +400,10 @@ class Supervisor:
             for stream in (r.proc.stdout, r.proc.stderr):
                 if stream is not None:
                     stream.close()
-            if r.log is not None:
-                r.log.close()
             if r.sampler is not None:
                 r.sampler.close()
             r.status.close()
+        self.relay.close()
 
     # ---- output ----------------------------------------------------------------------------
 
@@ -422,28 +437,9 @@ class Supervisor:
                 data = b""
             if not data:
                 self._sel.unregister(fd)
-                rest = rank.partial.pop(fd, b"")
-                if rest:
-                    self._emit(rank, stream is rank.proc.stderr, rest)
+                rank.relay.finish(stream is rank.proc.stderr)
                 return
-            buf = rank.partial.get(fd, b"") + data
-            *lines, tail = buf.split(b"\n")
-            rank.partial[fd] = tail
-            for line in lines:
-                self._emit(rank, stream is rank.proc.stderr, line)
-
-    def _emit(self, rank: _Rank, is_err: bool, raw: bytes) -> None:
-        text = raw.decode("utf-8", errors="replace")
-        if is_err:
-            rank.stderr_tail.append(text)
-        if rank.log is not None:
-            rank.log.write(text + "\n")
-            rank.log.flush()
-        if self.config.quiet and rank.spec.rank != 0:
-            return
-        stream = self.err if is_err else self.out
-        stream.write(f"[rank{rank.spec.rank}]: {text}\n")
-        stream.flush()
+            rank.relay.feed(stream is rank.proc.stderr, data)
 
     # ---- stalls ----------------------------------------------------------------------------
 
@@ -527,10 +523,20 @@ class Supervisor:
         def on_stop(signum: int, _frame: Any) -> None:
             if self._interrupt is None:
                 self._interrupt = signal.Signals(signum).name
+                self._stop_signal = signal.Signals(signum)
+            else:
+                self._hurry = True  # asked twice: the user will not wait out the grace
+
+        def on_forward(signum: int, _frame: Any) -> None:
+            for r in self.ranks:
+                if r.exit is None:
+                    ProcessContext.signal_group(r.pgid, signal.Signals(signum))
 
         # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
-        for sig, handler in ((signal.SIGCHLD, lambda *_: None), (signal.SIGINT, on_stop),
-                             (signal.SIGTERM, on_stop), (signal.SIGHUP, on_stop)):
+        handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]
+        handlers += [(s, on_stop) for s in stop_signals()]
+        handlers += [(s, on_forward) for s in forwarded_signals(self.config.signals_to_handle)]
+        for sig, handler in handlers:
             self._old_handlers[sig] = signal.signal(sig, handler)
 
     def _restore_signals(self) -> None:
@@ -541,6 +547,22 @@ class Supervisor:
             self._wake_w.close()
             assert self._wake_r is not None
             self._wake_r.close()
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """Signals that stop the job, passed on to every rank (torchrun's default
+    --signals-to-handle). Always handled: left to their default action they would kill
+    gpuwarden alone, and its ranks only through PDEATHSIG, without the grace period."""
+    return tuple(getattr(signal, name) for name in STOP_SIGNALS)
+
+
+def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signals, ...]:
+    """Signals passed on to every rank's process group while the job goes on: SIGUSR1 and
+    SIGUSR2 (Slurm's preemption notice, ``--signal=USR1@60``), and any other signal that
+    --signals-to-handle names."""
+    names = dict.fromkeys((*FORWARDED_SIGNALS, *signals_to_handle))
+    # SIGCHLD is the supervisor's own wake-up (its ranks' deaths), never a message for them
+    return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
 
 
 def fatal_dump_in(lines: list[str]) -> str:

@@ -1,0 +1,79 @@
+"""The output relay: gpuwarden launch vs torchrun --standalone on heavy output (not a test).
+
+    python benchmarks/bench_relay.py [--pairs 3] [--lines 1000000]
+
+Each rank writes to its stdout; the launcher's stdout is a file in both cases. torchrun lets its
+ranks write to that file directly (no relay unless --tee); gpuwarden reads every rank's pipe and
+writes ``[rankN]: ``-prefixed lines. Scenarios (2 ranks each):
+
+1. N short lines per rank (``print``);
+2. 100 writes of 1 MiB without a newline per rank (one 100 MiB "line": relayed in 64 KiB pieces);
+3. one 50 MB line, 1 rank.
+
+Runs alternate so both launchers see the same load; medians are printed with the size of what
+reached the file (gpuwarden's is larger by the prefixes and the newlines that end cut pieces).
+torchrun's walls include its agent's torch import (1.5-2.5 s here), gpuwarden's do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+SCRIPT = Path(__file__).parent / "scripts" / "chatty.py"
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and bytes written to stdout."""
+    with tempfile.TemporaryFile() as out:
+        start = time.monotonic()
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "GPUWARDEN_SIMULATE": os.environ.get(
+                                  "GPUWARDEN_SIMULATE", "")}).returncode
+        wall = time.monotonic() - start
+        if code != 0:
+            raise SystemExit(f"{' '.join(cmd)} exited {code}")
+        size = out.seek(0, os.SEEK_END)
+    return wall, size
+
+
+def pairs(name: str, nproc: int, args: list[str], n: int) -> None:
+    ours = [str(BIN / "gpuwarden"), "launch", "--cpu", "-n", str(nproc), str(SCRIPT), *args]
+    theirs = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT), *args]
+    walls: dict[str, list[float]] = {"ours": [], "theirs": []}
+    sizes = {}
+    for _ in range(n):
+        for key, cmd in (("ours", ours), ("theirs", theirs)):
+            wall, size = run(cmd)
+            walls[key].append(wall)
+            sizes[key] = size
+    mo, mt = statistics.median(walls["ours"]), statistics.median(walls["theirs"])
+    print(f"| {name} | {mo:.2f} s ({sizes['ours'] / 1e6:.0f} MB out) | {mt:.2f} s "
+          f"({sizes['theirs'] / 1e6:.0f} MB out) | {mo / mt:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--lines", type=int, default=1_000_000)
+    args = ap.parse_args()
+    start = time.monotonic()
+    print(f"medians of {args.pairs} alternating pairs, stdout to a file\n")
+    print("| scenario | gpuwarden launch | torchrun --standalone | ratio |")
+    print("|---|---|---|---|")
+    pairs(f"2 ranks × {args.lines:,} lines", 2, ["lines", str(args.lines)], args.pairs)
+    pairs("2 ranks × 100 writes of 1 MiB, no newline", 2, ["chunks", "100", str(1 << 20)],
+          args.pairs)
+    pairs("1 rank, one 50 MB line", 1, ["chunks", "1", "50000000"], args.pairs)
+    print(f"\n(benchmark took {time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""The output relay: each rank's stdout and stderr to the console with a ``[rankN]:`` prefix,
+to torchrun's log files (``--tee``/``--redirects`` under ``--log-dir``), and into the report's
+stderr tail.
+
+Cost: every byte a rank writes is looked at a constant number of times, in C (``rfind``,
+``replace``, ``rsplit`` on whole chunks), never once per line in Python, and each chunk read
+from a pipe is written to the console in one call. A rank's unfinished line is held only up to
+:data:`MAX_LINE_BYTES`; a longer line is passed on in pieces of that size, each on its own
+prefixed console line (the log file gets the bytes unchanged). So the relay is linear in the
+bytes relayed and its memory per rank is bounded, whatever a rank writes.
+
+A console whose reader went away (``gpuwarden launch ... | head -1``) is silenced, not fatal:
+the ranks' pipes are still drained (a rank never blocks on a full pipe), the log files and the
+report's tail still get everything, and no ``BrokenPipeError`` traceback is printed.
+
+Log files, as torchrun's ``DefaultLogsSpecs`` lays them out (``LOG_DIR`` is ``--log-dir``)::
+
+    LOG_DIR/<run id>_<random>/attempt_0/<local rank>/stdout.log   (-r/-t with 1 or 3)
+    LOG_DIR/<run id>_<random>/attempt_0/<local rank>/stderr.log   (-r/-t with 2 or 3)
+    LOG_DIR/<run id>_<random>/attempt_0/<local rank>/error.json   (TORCHELASTIC_ERROR_FILE)
+    LOG_DIR/<run id>_<random>/attempt_0/filtered_stdout.log       (--duplicate-stdout-filters)
+    LOG_DIR/<run id>_<random>/attempt_0/filtered_stderr.log       (--duplicate-stderr-filters)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import IO, TextIO
+
+from gpuwarden.errors import UsageError
+
+MAX_LINE_BYTES = 64 * 1024  # a longer line is relayed in pieces of this size
+STDERR_TAIL_LINES = 40  # the last stderr lines of a rank kept for the report
+TAIL_LINE_CHARS = 2000  # a tail line is cut here: the report quotes it, it does not archive it
+
+STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
+
+
+def parse_std_spec(text: str, *, what: str = "--redirects") -> int | dict[int, int]:
+    """torchrun's Std spec: ``"3"`` for every local rank, or ``"0:1,1:2"`` per local rank
+    (0 none, 1 stdout, 2 stderr, 3 both). UsageError (exit 2) on anything else."""
+    fix = f"{what} 3 (stdout and stderr of every rank), or per local rank: {what} 0:1,1:2"
+
+    def one(value: str) -> int:
+        if value.strip() not in ("0", "1", "2", "3"):
+            raise UsageError(f"{what} {text!r}: {value!r} is not 0, 1, 2 or 3", fix=fix)
+        return int(value)
+
+    text = str(text).strip()
+    if ":" not in text:
+        return one(text)
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        rank, sep, value = item.partition(":")
+        if not sep or not rank.strip().isdigit():
+            raise UsageError(f"{what} {text!r}: {item!r} is not LOCAL_RANK:STREAMS", fix=fix)
+        out[int(rank)] = one(value)
+    return out
+
+
+def std_for(spec: int | dict[int, int], local_rank: int) -> int:
+    return spec if isinstance(spec, int) else spec.get(local_rank, STD_NONE)
+
+
+@dataclass(frozen=True)
+class RankOutputs:
+    """Where one rank's two streams go (pure data: tests check it without starting a rank)."""
+
+    prefix: bytes  # b"[rank3]: " on the console, b"" for none
+    console_out: bool
+    console_err: bool
+    stdout_file: str | None
+    stderr_file: str | None
+
+
+def rank_outputs(*, rank: int, local_rank: int, redirects: str, tee: str,
+                 local_ranks_filter: frozenset[int] | None, quiet: bool,
+                 attempt_dir: str | None) -> RankOutputs:
+    """torchrun's rules: a redirected stream goes to its file only, a tee'd one to its file and
+    the console; ``--local-ranks-filter`` hides other local ranks from the console (their files
+    are still written); gpuwarden's ``--quiet`` shows global rank 0 only."""
+    red = std_for(parse_std_spec(redirects, what="--redirects"), local_rank)
+    tees = std_for(parse_std_spec(tee, what="--tee"), local_rank)
+    shown = (local_ranks_filter is None or local_rank in local_ranks_filter) \
+        and (not quiet or rank == 0)
+
+    def route(bit: int, name: str) -> tuple[bool, str | None]:
+        to_file = bool((red | tees) & bit) and attempt_dir is not None
+        console = shown and (not red & bit or bool(tees & bit))
+        return console, os.path.join(attempt_dir, str(local_rank), name) if to_file and attempt_dir else None
+
+    console_out, out_file = route(STD_OUT, "stdout.log")
+    console_err, err_file = route(STD_ERR, "stderr.log")
+    return RankOutputs(f"[rank{rank}]: ".encode(), console_out, console_err, out_file, err_file)
+
+
+def needs_log_files(redirects: str, tee: str, filters: Iterable[str]) -> bool:
+    """Whether a launch writes log files at all (torchrun then makes a directory even without
+    --log-dir)."""
+    return parse_std_spec(redirects) != STD_NONE or parse_std_spec(tee, what="--tee") != STD_NONE \
+        or any(True for _ in filters)
+
+
+class Console:
+    """One of gpuwarden's own streams (stdout or stderr), written in bytes when it has a
+    binary buffer (no decoding: a rank's bytes pass unchanged), text otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.raw: IO[bytes] | None = getattr(stream, "buffer", None)
+        self.closed = False
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()  # what gpuwarden printed itself comes first
+
+    def write(self, data: bytes) -> None:
+        if self.closed or not data:
+            return
+        try:
+            if self.raw is not None:
+                self.raw.write(data)
+                self.raw.flush()
+            else:
+                self.stream.write(data.decode("utf-8", errors="replace"))
+                self.stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        # `| head -1`: the reader is gone. Point the descriptor at /dev/null so that nothing
+        # written later (the --json report, Python's final flush at exit) raises or prints
+        # "Exception ignored ... BrokenPipeError"; the ranks go on, their pipes drained.
+        self.closed = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            fd = self.stream.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+class StreamRelay:
+    """One stream of one rank: feed it what was read from the pipe, in any chunk sizes."""
+
+    def __init__(self, prefix: bytes, console: Console | None, file: IO[bytes] | None,
+                 tail: collections.deque[str] | None = None,
+                 filters: Sequence[bytes] = (), filtered: IO[bytes] | None = None) -> None:
+        self.prefix = prefix
+        self.console = console
+        self.file = file
+        self.tail = tail
+        self.filters = tuple(filters)
+        self.filtered = filtered
+        self._newline_prefix = b"\n" + prefix
+        self._pending = bytearray()  # the unfinished line, at most MAX_LINE_BYTES
+
+    def feed(self, data: bytes) -> None:
+        # Slices of at most MAX_LINE_BYTES: a whole line inside one slice is then shorter than
+        # the bound, and only the line that continues the pending one can be longer.
+        for start in range(0, len(data), MAX_LINE_BYTES):
+            piece = data[start:start + MAX_LINE_BYTES]
+            self._feed(piece)
+            if b"\r" in piece and self._pending:
+                self._redraws()
+
+    def _redraws(self) -> None:
+        """A progress bar (tqdm) redraws its line after each carriage return and ends it only
+        when done: pass on what precedes the last ``\r`` now, each state prefixed and ending
+        in ``\r``, so a terminal shows the bar as it moves (not once it reaches 64 KiB)."""
+        cut = self._pending.rfind(b"\r")
+        if cut < 0:
+            return
+        done = bytes(self._pending[: cut + 1])
+        del self._pending[: cut + 1]
+        if self.file is not None:
+            self.file.write(done)
+        if self.console is not None:
+            self.console.write(self.prefix + done[:-1].replace(b"\r", b"\r" + self.prefix) + b"\r")
+
+    def _feed(self, data: bytes) -> None:
+        first = data.find(b"\n")
+        if self._pending and len(self._pending) + (first if first >= 0 else len(data)) >= MAX_LINE_BYTES:
+            # The pending line grows past the bound: pass it on in pieces up to its end.
+            self._pending += data if first < 0 else data[:first]
+            self._cut_long_line()
+            if first < 0:
+                return
+            self._lines(bytes(self._pending) + b"\n")
+            self._pending.clear()
+            data = data[first + 1:]
+        last = data.rfind(b"\n")
+        if last < 0:
+            self._pending += data
+            self._cut_long_line()
+            return
+        if self._pending:
+            block = bytes(self._pending) + data[: last + 1]
+            self._pending.clear()
+        else:
+            block = data[: last + 1]
+        self._lines(block)
+        if last + 1 < len(data):
+            self._pending += data[last + 1:]
+            self._cut_long_line()
+
+    def finish(self) -> None:
+        """End of the stream: an unfinished last line is passed on as a line."""
+        if self._pending:
+            rest = bytes(self._pending)
+            self._pending.clear()
+            self._piece(rest)
+
+    def _cut_long_line(self) -> None:
+        while len(self._pending) >= MAX_LINE_BYTES:
+            piece = bytes(self._pending[:MAX_LINE_BYTES])
+            del self._pending[:MAX_LINE_BYTES]
+            self._piece(piece)
+
+    def _piece(self, piece: bytes) -> None:
+        """A part of a line without its newline: unchanged in the file, a line of its own on the
+        console (so the next prefix starts a line)."""
+        if self.file is not None:
+            self.file.write(piece)
+        if self.console is not None:
+            self.console.write(self.prefix + piece + b"\n")
+        if self.tail is not None:
+            self.tail.append(_tail_line(piece))
+        if self.filters and self.filtered is not None and any(f in piece for f in self.filters):
+            self.filtered.write(self.prefix + piece + b"\n")
+
+    def _lines(self, block: bytes) -> None:
+        """Whole lines (``block`` ends with a newline), all at once."""
+        if self.file is not None:
+            self.file.write(block)
+        if self.console is not None:
+            if self.prefix:
+                body = block[:-1].replace(b"\n", self._newline_prefix)
+                if b"\r" in body:  # a redrawn line keeps its prefix on a terminal
+                    body = body.replace(b"\r", b"\r" + self.prefix)
+                self.console.write(self.prefix + body + b"\n")
+            else:
+                self.console.write(block)
+        if self.tail is not None:
+            for line in block[:-1].rsplit(b"\n", STDERR_TAIL_LINES)[-STDERR_TAIL_LINES:]:
+                self.tail.append(_tail_line(line))
+        if self.filters and self.filtered is not None and any(f in block for f in self.filters):
+            for line in block.splitlines(keepends=True):
+                if any(f in line for f in self.filters):
+                    self.filtered.write(self.prefix + line)
+
+
+def _tail_line(raw: bytes) -> str:
+    return raw[:TAIL_LINE_CHARS * 4].decode("utf-8", errors="replace")[:TAIL_LINE_CHARS]
+
+
+class RankRelay:
+    """Both streams of one rank, and the files they own."""
+
+    def __init__(self, outputs: RankOutputs, stdout: Console, stderr: Console,
+                 filtered: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None),
+                 filters: tuple[Sequence[bytes], Sequence[bytes]] = ((), ())) -> None:
+        self.outputs = outputs
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._files: list[IO[bytes]] = []
+        self.out = StreamRelay(outputs.prefix, stdout if outputs.console_out else None,
+                               self._open(outputs.stdout_file), None, filters[0], filtered[0])
+        self.err = StreamRelay(outputs.prefix, stderr if outputs.console_err else None,
+                               self._open(outputs.stderr_file), self.stderr_tail, filters[1],
+                               filtered[1])
+
+    def _open(self, path: str | None) -> IO[bytes] | None:
+        if path is None:
+            return None
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Unbuffered: a `tail -f` of the file sees what the console sees, when it sees it.
+        f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._files.append(f)
+        return f
+
+    def feed(self, is_err: bool, data: bytes) -> None:
+        (self.err if is_err else self.out).feed(data)
+
+    def finish(self, is_err: bool) -> None:
+        (self.err if is_err else self.out).finish()
+
+    def close(self) -> None:
+        self.out.finish()
+        self.err.finish()
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+class JobRelay:
+    """The relay of one launch: the two consoles, the filtered-lines files, one RankRelay per
+    rank (opened as each rank starts)."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO, *, redirects: str = "0", tee: str = "0",
+                 local_ranks_filter: frozenset[int] | None = None, quiet: bool = False,
+                 attempt_dir: str | None = None,
+                 duplicate_stdout_filters: Sequence[str] = (),
+                 duplicate_stderr_filters: Sequence[str] = ()) -> None:
+        self.stdout = Console(stdout)
+        self.stderr = Console(stderr)
+        self.redirects, self.tee = redirects, tee
+        self.local_ranks_filter, self.quiet = local_ranks_filter, quiet
+        self.attempt_dir = attempt_dir
+        self.filters = (tuple(f.encode() for f in duplicate_stdout_filters if f),
+                        tuple(f.encode() for f in duplicate_stderr_filters if f))
+        self._filtered: list[IO[bytes] | None] = [None, None]
+        if attempt_dir is not None:
+            for i, name in enumerate(("filtered_stdout.log", "filtered_stderr.log")):
+                if self.filters[i]:
+                    os.makedirs(attempt_dir, exist_ok=True)
+                    self._filtered[i] = open(os.path.join(attempt_dir, name), "wb", buffering=0)  # noqa: SIM115
+        self.ranks: list[RankRelay] = []
+
+    def open_rank(self, rank: int, local_rank: int) -> RankRelay:
+        outputs = rank_outputs(rank=rank, local_rank=local_rank, redirects=self.redirects,
+                               tee=self.tee, local_ranks_filter=self.local_ranks_filter,
+                               quiet=self.quiet, attempt_dir=self.attempt_dir)
+        relay = RankRelay(outputs, self.stdout, self.stderr,
+                          (self._filtered[0], self._filtered[1]), self.filters)
+        self.ranks.append(relay)
+        return relay
+
+    def close(self) -> None:
+        for relay in self.ranks:
+            relay.close()
+        for f in self._filtered:
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
