@@ -204,3 +204,16 @@ def test_crash_stack_survives_torch_record(capsys: pytest.CaptureFixture[str]) -
     assert "rank 1 was killed by SIGSEGV(-11)" in report
     assert "Python stack of rank 1 at the crash" in report and "contract.py\", line" in report
     assert time.monotonic() - start < 50
+
+
+@pytest.mark.timeout(60)
+def test_a_sampled_script_that_never_imports_threading_still_exits(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The sampling thread answers while the script sleeps; the script never imports threading
+    (had the sampling thread imported it first, the interpreter's exit would wait forever)."""
+    script = tmp_path / "plain.py"
+    script.write_text("import time\ntime.sleep(2.0)\n")
+    start = time.monotonic()
+    code, _out, err = _cli(capsys, "-n", "2", "--cpu", "--stall-timeout", "2s", str(script))
+    assert code == 0, err
+    assert time.monotonic() - start < 20

@@ -64,10 +64,10 @@ class RankExit:
     returncode: int
     ended_at: float  # monotonic, when the supervisor saw it
     stopped_by_launcher: bool  # it ended after gpuwarden began stopping the job
-    killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
     error: dict[str, Any] | None = None  # the bootstrap's record of an uncaught exception
     fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
     stderr_tail: list[str] = field(default_factory=list)
+    killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
 
     @property
     def failed(self) -> bool:
