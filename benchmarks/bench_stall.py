@@ -20,7 +20,6 @@ import argparse
 import os
 import re
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,21 @@ def gpuwarden_case(script: Path, mode: str, timeout_s: float) -> tuple[str, str,
     return detected, f"{done - start:5.1f} s", f"{report.code} (root rank {report.root_rank})"
 
 
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 def torchrun_case(script: Path, mode: str, cap_s: float, timeout_s: float) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as stamps:
         env = {**os.environ, "STAMP_DIR": stamps, "STALL_S": str(timeout_s)}
@@ -68,7 +82,7 @@ def torchrun_case(script: Path, mode: str, cap_s: float, timeout_s: float) -> tu
             _, err = proc.communicate(timeout=cap_s)
             end = time.monotonic()
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)  # torchrun's workers live in sessions of their own
             proc.communicate()
             return f"none within the {cap_s:g} s cap", "-"
         starts = _stamps(stamps)
@@ -111,7 +125,7 @@ def main() -> int:
     for name, script, mode in cases:
         detected, report_at, says = gpuwarden_case(script, mode, t)
         theirs, blamed = torchrun_case(script, mode, args.cap, t)
-        print(f"{name:<10} {detected:>9} {report_at:>9}  {says:<34} {theirs} ({blamed})")
+        print(f"{name:<10} {detected:>9} {report_at:>9}  {says:<34} {theirs} ({blamed})", flush=True)
     print("\nsupervisor CPU while sampling 8 ranks:")
     for timeout in ("5m", "4s"):
         print(f"  --stall-timeout {timeout}: {supervisor_cpu(8, timeout, args.sample_s)}")
