@@ -76,7 +76,7 @@ def test_init_script_and_ddp_example(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 0, err
     assert "[rank1]: rank 1/2 local 1 cpu gloo launcher=gpuwarden sum=3" in out
     assert "[rank0]: atexit handler ran" in out and "[rank1]: atexit handler ran" in out
-    for rank in (0, 1):  # files the script never closed are flushed despite the fast exit
+    for rank in (0, 1):  # files the script never closed are flushed by the normal exit
         assert (tmp_path / f"rank{rank}.txt").read_text() == "written without close\n"
     code, out, err = launch(capsys, "-n", "2", str(ROOT / "examples" / "train_ddp.py"))
     assert code == 0, err
@@ -159,7 +159,7 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
     assert "rank 0: pid" in err and "stopped by gpuwarden (signal SIGKILL(-9))" in err
     assert not wait_until_gone(pids_in(tmp_path), 2.0)  # ranks and their own children
     if mode == "raise":
-        assert 'File "' + str(SCRIPTS / "crash.py") in err and "_rank.py" not in err
+        assert 'File "' + str(SCRIPTS / "crash.py") in err and "_bootstrap.py" not in err
     if mode == "segv":
         assert "Python stack of rank 1 at the crash" in err and "crash.py\", line" in err
     if mode == "kill":
@@ -182,7 +182,7 @@ def test_echo_in_peer_is_not_blamed(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode, code_name, where", [
     ("noinit", "RDZV_WORKERS_MISSING", "init_process_group"),
-    ("collective", "RANK_STALL", "all_reduce (collective #1)"),
+    ("collective", "RANK_STALL", "all_reduce"),
 ])
 def test_stall_names_missing_rank_with_its_stack(capsys: pytest.CaptureFixture[str],
                                                  mode: str, code_name: str, where: str) -> None:
@@ -192,7 +192,7 @@ def test_stall_names_missing_rank_with_its_stack(capsys: pytest.CaptureFixture[s
                             str(SCRIPTS / "stall.py"), mode)
     took = time.monotonic() - start
     assert code == 1
-    assert f"error[{code_name}]: rank(s) 0 waited in {where}" in err
+    assert f"error[{code_name}]: rank(s) 0 waited in {where} for more than" in err
     assert "rank(s) 1 of 2 did not get there" in err
     assert "stack of rank 1 (innermost first):" in err
     stack1 = err.split("stack of rank 1 (innermost first):")[1]

@@ -247,10 +247,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         payload = os.path.join(work, "payload.pkl")
         with open(payload, "wb") as f:
             _pickler().dump((fn, tuple(args)), f)
-        config = LaunchConfig(target="gpuwarden._rank", module=True, nproc=nprocs, cpu=cpu,
+        config = LaunchConfig(target="gpuwarden.launch._bootstrap", module=True, nproc=nprocs, cpu=cpu,
                               stall_timeout_s=parse_duration(stall_timeout, what="stall_timeout"),
                               grace_s=parse_duration(grace, what="grace"))
-        argv = (sys.executable, "-m", "gpuwarden._rank", "--call", payload)
+        argv = (sys.executable, "-m", "gpuwarden.launch._bootstrap", "--call", payload)
         report, _ = launch(config, argv=argv, run_dir=work)
         if not report.ok:
             raise SpawnError(report.what, why=report.why, fix=report.fix,

@@ -63,6 +63,8 @@ GPUWARDEN_CODES = {
     "RANK_FAILED": "a rank failed in a way no failure code describes (its exception or exit is shown)",
     "RANK_STALL": "ranks waited in init_process_group or a collective longer than --stall-timeout "
     "while other ranks were missing, dead or elsewhere",
+    "RANK_EXITED_EARLY": "a rank exited (code 0) while the other ranks still needed it in a "
+    "collective: their errors are echoes of it",
     "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
     "NODE_ABORTED": "another node of a multi-node job failed (or its rendezvous store went away), "
     "so this node stopped its ranks",

@@ -118,6 +118,10 @@ class GroupReaper:
             [sys.executable, "-S", "-c", _REAPER_SOURCE], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def _tell(self, line: str) -> None:
         if self._proc.stdin is not None:
             try:

@@ -1,4 +1,4 @@
-"""The gpuwarden.distributed.init() way; an atexit handler must still run (the bootstrap's fast exit)."""
+"""The gpuwarden.distributed.init() way; an atexit handler must run, as under `python SCRIPT`."""
 import atexit
 import os
 
@@ -8,7 +8,7 @@ import torch.distributed as dist
 import gpuwarden.distributed as gdist
 
 atexit.register(lambda: print("atexit handler ran", flush=True))
-# Written and never closed: the bootstrap's fast exit must still flush it to disk.
+# Written and never closed: the interpreter's normal exit flushes it to disk.
 unclosed_log = open(os.path.join(os.environ["UNCLOSED_LOG_DIR"], f"rank{os.environ['RANK']}.txt"), "w")  # noqa: SIM115
 unclosed_log.write("written without close\n")
 info = gdist.init()

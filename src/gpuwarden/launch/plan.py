@@ -9,16 +9,16 @@ gives a worker, so torchrun scripts run unchanged (docs/launch.md lists every di
   default); ``--bind rank`` (torchrun's ``--virtual-local-rank``) names only the rank's own GPU,
   which is then ``cuda:0``, with ``LOCAL_RANK=0``; ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so an index
   means NVML's GPU;
-- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden._rank`) where to write its
+- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden.launch._bootstrap`) where to write its
   progress, error record and stack dumps.
 
 The command is torchrun's (``python -u SCRIPT``, ``PYTHON_EXEC`` honoured) with the bootstrap
-in between: ``python -u -m gpuwarden._rank SCRIPT ARGS``; ``--no-python`` runs the target itself.
+in between: ``python -u -m gpuwarden.launch._bootstrap SCRIPT ARGS``; ``--no-python`` runs the target itself.
 
 With ``--nnodes N --node-rank R`` (docs/multinode.md) ranks are numbered node by node as in
 torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORLD_SIZE`` is
 ``N*K``, ``GROUP_RANK`` is R, and each rank gets ``GPUWARDEN_PEERS_FILE``, where its bootstrap's
-store watch (:mod:`gpuwarden._store_watch`) reports what it learns from the job's TCPStore.
+store watch (:mod:`gpuwarden.launch._store_watch`) reports what it learns from the job's TCPStore.
 
 ``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: there is no agent-hosted TCPStore (hosting one
 would need torch in the supervisor); rank 0 hosts the store, as with plain ``env://``.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.launch.flight_recorder import recorder_env
 from gpuwarden.visibility import CHILD_ORDER_ENV
 
 
@@ -39,7 +40,7 @@ from gpuwarden.visibility import CHILD_ORDER_ENV
 class RankFiles:
     status: str  # mmap'd progress record (launch/status.py)
     error: str  # JSON record of an uncaught exception
-    stacks: str  # faulthandler dumps on request (SIGUSR1)
+    stacks: str  # faulthandler dumps on request (status.STACK_SIGNAL), sampled by the supervisor
     fatal: str  # faulthandler dump on a fatal signal (SIGSEGV, SIGABRT, SIGBUS...)
     peers: str = ""  # multi-node: what the rank's store watch saw (arrivals, abort, store lost)
 
@@ -105,11 +106,11 @@ class LaunchPlan:
 def rank_argv(config: LaunchConfig, python: str) -> tuple[str, ...]:
     """torchrun's command (``python -u [-m] TARGET ARGS``) with the bootstrap in between; the
     target itself with ``--no-python`` (no bootstrap: no progress record, so no stall report).
-    ``--run-path`` is the plain case: the bootstrap runs the script with ``runpy.run_path``."""
+    ``--run-path`` is the plain case: the bootstrap runs the script as ``python SCRIPT`` does."""
     if config.no_python and not config.run_path:
         return (config.target, *config.args)
     tail = ("-m", config.target) if config.module else (config.target,)
-    return (python, "-u", "-m", "gpuwarden._rank", *tail, *config.args)
+    return (python, "-u", "-m", "gpuwarden.launch._bootstrap", *tail, *config.args)
 
 
 def error_file(log_run_dir: str, local_rank: int) -> str:
@@ -220,6 +221,7 @@ def make_plan(
             env["GPUWARDEN_PEERS_FILE"] = files.peers
         mates: tuple[int, ...] = ()
         if gpu is not None:
+            env.update(recorder_env(run_dir, base_env))  # NCCL's flight recorder, for stalls
             env["GPUWARDEN_GPU"] = gpu.label
             if config.bind == "rank":
                 env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_id

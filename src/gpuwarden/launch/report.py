@@ -1,8 +1,10 @@
 """The one report of a launch: which rank failed first, how, where it ran, and the failure code.
 
 Built from the supervisor's :class:`RunOutcome` by pure functions. The root cause is the rank
-that failed first in time; failures that are echoes of it (a peer's socket closed under a
-collective) are never chosen over a real cause seen within the same moment. The failure code
+that failed first in time, but an echo (a peer's socket closed under a collective, a watchdog
+or collective timeout) is never the cause while a real one exists: a rank that failed of its
+own accord, or a rank that left (any exit code, 0 included) or died before the others started
+failing. The failure code
 comes from ``gpuwarden.explain`` when it recognises the rank's error text, else RANK_FAILED: the
 report is complete without it (exception, traceback tail, exit code or signal, pid, GPU).
 """
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.findings import Finding, Section, Severity, render_plain
-from gpuwarden.launch.supervisor import RankExit, RunOutcome, Stall, main_thread_frames
+from gpuwarden.launch.stall import Stall, main_thread_frames
+from gpuwarden.launch.supervisor import RankExit, RunOutcome
 from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
 
 if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank failed
@@ -29,7 +32,9 @@ ECHO_WINDOW_S = 2.0
 _ECHO = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket closed|"
     r"NCCL communicator was aborted|ProcessGroupGloo.*(?:Read|Write) error|"
-    r"\[enforce fail at .*gloo.*\].*(?:closed|reset)|remote process exited|peer .* closed",
+    r"\[enforce fail at .*gloo.*\].*(?:closed|reset)|remote process exited|peer .* closed|"
+    r"Watchdog caught collective operation timeout|Timed out waiting \d+ms for|"
+    r"Rank \d+ is closing|Gloo connectFullMesh failed|failed to recv, got 0 bytes",
     re.IGNORECASE,
 )
 
@@ -89,20 +94,35 @@ def exit_words(returncode: int) -> str:
 
 def is_echo(ex: RankExit) -> bool:
     text = " ".join([str((ex.error or {}).get("message", "")), *ex.stderr_tail[-5:]])
-    return ex.returncode > 0 and bool(_ECHO.search(text))
+    # A death by signal is never an echo, unless the rank had raised first (and gpuwarden
+    # SIGKILLed its slow teardown): its own exception says what it was.
+    return (ex.returncode > 0 or ex.error is not None) and bool(_ECHO.search(text))
 
 
-def root_cause(failures: list[RankExit]) -> RankExit:
-    """First in time; an echo loses to a real failure seen within ECHO_WINDOW_S of it."""
-    ordered = sorted(failures, key=lambda e: (e.failed_at, e.rank))
-    first = ordered[0]
-    if is_echo(first):
-        for other in ordered[1:]:
-            if other.failed_at - first.failed_at > ECHO_WINDOW_S:
-                break
-            if not is_echo(other):
-                return other
-    return first
+def root_cause(exits: list[RankExit]) -> RankExit | None:
+    """The rank to blame, or None when nothing failed.
+
+    The first failure in time, unless it is an echo: then a real failure (one of the rank's own
+    making) seen within ECHO_WINDOW_S of it wins, else the rank that left (exit 0 included,
+    e.g. ``os._exit(0)``) before it: the others failed because that rank was gone. The window
+    absorbs the supervisor's view of an exit, a poll later than the peer's own error record.
+    """
+    failures = sorted((e for e in exits if e.failed and not e.stopped_by_launcher),
+                      key=lambda e: (e.failed_at, e.rank))
+    if not failures:
+        return None
+    first = failures[0]
+    if not is_echo(first):
+        return first
+    for other in failures[1:]:
+        if other.failed_at - first.failed_at > ECHO_WINDOW_S:
+            break
+        if not is_echo(other):
+            return other
+    left = sorted((e for e in exits if not e.failed and not e.stopped_by_launcher
+                   and e.ended_at <= first.failed_at + ECHO_WINDOW_S),
+                  key=lambda e: (e.ended_at, e.rank))
+    return left[0] if left else first
 
 
 def build_report(outcome: RunOutcome) -> LaunchReport:
@@ -110,8 +130,11 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
     failures = [e for e in outcome.exits.values() if e.failed and not e.stopped_by_launcher]
     if outcome.stopped_for is not None and all(is_echo(e) for e in failures):
         return _node_aborted_report(outcome)  # another node failed first: say which
-    if failures:
-        return _failure_report(outcome, root_cause(failures))
+    root = root_cause(list(outcome.exits.values()))
+    if root is not None and not root.failed:
+        return _left_early_report(outcome, root, failures)
+    if root is not None:
+        return _failure_report(outcome, root)
     if outcome.stall is not None and not plan.config.keep_waiting:
         return stall_report(outcome, outcome.stall)
     if outcome.interrupted_by is not None:
@@ -188,6 +211,36 @@ def _explain(text: str) -> Diagnosed | None:
     return None if primary.code == "NONE" else primary
 
 
+def _left_early_report(outcome: RunOutcome, root: RankExit, failures: list[RankExit]) -> LaunchReport:
+    """A rank ended (exit code 0) while the others still needed it: their errors are echoes."""
+    first = min(failures, key=lambda e: (e.failed_at, e.rank))
+    after = root.ended_at - outcome.started_at
+    what = (f"rank {root.rank} exited with code 0 after {after:.1f} s while the other ranks still "
+            f"needed it; rank(s) {', '.join(str(e.rank) for e in sorted(failures, key=_by_rank))} "
+            "then failed waiting for it")
+    why = ("a collective completes only when every rank calls it: a rank that returns early, calls "
+           "sys.exit(0) or os._exit(0) in the middle of training leaves its peers with a closed "
+           "connection (gloo) or a watchdog timeout (NCCL); their errors are echoes of it")
+    fix = (f"find why rank {root.rank} ended early (a rank-dependent return, break or exit in the "
+           "script); every rank must run the same collectives")
+    evidence = [f"rank {root.rank}: pid {root.pid}, {_device(outcome, root.rank)}, exit code 0 "
+                f"after {after:.1f} s"]
+    for e in sorted(outcome.exits.values(), key=_by_rank):
+        if e.rank != root.rank:
+            line = _rank_line(outcome, e)
+            if e.failed and not e.stopped_by_launcher:
+                line += f" (failed after rank {root.rank} left, an echo of it)"
+            evidence.append(line)
+    err = first.error or {}
+    details: list[tuple[str, list[str]]] = []
+    if err:
+        tb = str(err.get("traceback", "")).rstrip().splitlines()
+        details.append((f"traceback of rank {first.rank} (the echo, last lines)",
+                        tb[-TRACEBACK_TAIL_LINES:]))
+    return LaunchReport(max(1, shell_exit_code(first.returncode) if not first.killed_by_launcher else 1), "RANK_EXITED_EARLY", what, why, fix,
+                        evidence, details, root.rank)
+
+
 def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     after = root.failed_at - outcome.started_at
     err = root.error or {}
@@ -212,7 +265,10 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     code, why, fix = "RANK_FAILED", None, None
     if diag is not None:
         code, why, fix = diag.code, diag.why, diag.fix
-    if root.returncode < 0:
+    # A rank that raised and then outlived --grace in its teardown was SIGKILLed by gpuwarden:
+    # its exception is the failure, not the signal.
+    raised_then_killed = bool(err) and root.killed_by_launcher
+    if root.returncode < 0 and not raised_then_killed:
         name = signal_name(-root.returncode)
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
         why = why or sig_why
@@ -220,8 +276,11 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     if fix is None and err:
         fix = f"the traceback below is rank {root.rank}'s own; the other ranks were stopped"
 
+    how = exit_words(root.returncode)
+    if raised_then_killed:
+        how = (f"raised, then its teardown outlived --grace and gpuwarden ended it ({how})")
     evidence = [f"rank {root.rank}: pid {root.pid}, {_device(outcome, root.rank)}, "
-                f"{exit_words(root.returncode)} after {after:.1f} s"]
+                f"{how} after {after:.1f} s"]
     for e in sorted(outcome.exits.values(), key=_by_rank):
         if e.rank == root.rank:
             continue
@@ -243,28 +302,42 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         fields["exception"] = err.get("type")
     if diag is not None and diag.fields:
         fields["explain"] = dict(diag.fields)  # what explain read in the rank's output (typed)
-    return LaunchReport(shell_exit_code(root.returncode), code, what, why, fix, evidence, details,
+    exit_code = 1 if raised_then_killed else shell_exit_code(root.returncode)
+    return LaunchReport(exit_code, code, what, why, fix, evidence, details,
                         root.rank, fields)
 
 
 def stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
-    """The report of ``stall`` (RDZV_WORKERS_MISSING in init, else RANK_STALL)."""
+    """The report of ``stall``: RDZV_WORKERS_MISSING in init, else RANK_STALL. It names the odd
+    ones out, what each rank waits in, and every rank's stack."""
     timeout = outcome.plan.config.stall_timeout_s
     world = outcome.plan.world_size
     waiting = ", ".join(map(str, stall.waiting))
-    missing = _ranks_by_node(outcome, stall.elsewhere)
-    in_init = stall.point == "init_process_group"
+    odd = _ranks_by_node(outcome, stall.elsewhere)
+    in_init = stall.kind == "init"
     code = "RDZV_WORKERS_MISSING" if in_init else "RANK_STALL"
-    what = (f"rank(s) {waiting} waited in {stall.point} for more than {timeout:g} s; "
-            f"rank(s) {missing} of {world} did not get there")
-    if in_init:
-        why = ("init_process_group waits for all WORLD_SIZE ranks; PyTorch would wait for its "
-               "timeout (10-30 min) and then count the joined ranks without naming the missing ones")
+    if stall.kind == "mismatch":
+        what = (f"ranks wait in different collectives for more than {timeout:g} s: rank(s) "
+                f"{waiting} in {stall.point}, rank(s) {odd} in "
+                f"{', '.join(sorted({stall.waits[r] for r in stall.elsewhere if r in stall.waits}))}")
+        why = ("collectives are matched by order: every rank must call the same collective in the "
+               "same order; here they diverged, and each waits for the others forever")
+        fix = (f"look at the lines named below: rank(s) {odd} took another path (a rank-dependent "
+               "branch around a collective)")
     else:
-        why = ("a collective completes only when every rank calls it; the ranks named last are "
-               "somewhere else (dead, finished, stuck, or in a different collective)")
-    fix = (f"see where rank(s) {missing} are (stacks below); raise --stall-timeout if they are "
-           "legitimately slow, or --keep-waiting to only report")
+        point = {"wait": "a .wait() on an async collective",
+                 "backward": "backward (DDP's gradient all-reduce)"}.get(stall.kind, stall.point)
+        what = (f"rank(s) {waiting} waited in {point} for more than {timeout:g} s; "
+                f"rank(s) {odd} of {world} did not get there")
+        if in_init:
+            why = ("init_process_group waits for all WORLD_SIZE ranks; PyTorch would wait for its "
+                   "timeout (10-30 min) and then count the joined ranks without naming the missing "
+                   "ones")
+        else:
+            why = ("a collective completes only when every rank calls it; the ranks named last "
+                   "are somewhere else (dead, finished, stuck, or in a different collective)")
+        fix = (f"see where rank(s) {odd} are (stacks below); raise --stall-timeout if they are "
+               "legitimately slow, or --keep-waiting to only report")
     remote_missing = [r for r in stall.elsewhere if outcome.plan.spec(r) is None]
     if remote_missing:
         nodes = sorted({outcome.plan.node_of(r) for r in remote_missing})
@@ -275,7 +348,7 @@ def stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
     for rank in range(world):
         where = stall.where.get(rank, "unknown")
         if outcome.plan.spec(rank) is None:
-            if rank not in stall.where:
+            if rank not in stall.where or not where or where.startswith("arrived"):
                 continue  # another node's rank that arrived: nothing to say
             evidence.append(f"rank {rank} {where}")
         else:
@@ -294,6 +367,8 @@ def stall_report(outcome: RunOutcome, stall: Stall) -> LaunchReport:
                         "ranks are not known" + (f" ({peers.store_error})" if peers.store_error
                                                  else ""))
     details: list[tuple[str, list[str]]] = []
+    if stall.flight_records:
+        details.append(("NCCL flight recorder", stall.flight_records))
     for rank in range(world):
         frames = stall.stacks.get(rank)
         if frames:

@@ -1,24 +1,24 @@
-"""The process context: start every rank, relay its output, watch it, stop all, reap all.
+"""The supervisor: runs one plan to the end, watching the ranks from outside.
 
-Shaped like torch.distributed.elastic's PContext (start → poll → close with SIGTERM, a grace
-period, SIGKILL, per process group) but without torch: this process imports only the standard
-library and psutil-free helpers, so a launch costs tens of milliseconds before the ranks start.
+It composes the parts that each own one thing:
 
-Rules it keeps:
+- ``pcontext.py``: processes (start, signal groups, stop with bounded waits, adopted orphans);
+- the relay of the ranks' output (below), a rank's stderr tail kept for the report;
+- ``sampler.py`` + ``stall.py``: the ranks' stacks and CPU time sampled now and then, and the
+  pure stall decision over them;
+- the multi-node abort protocol (another node's failure, node 0's store gone);
+- what a rank left behind when it ended: its error record, its fatal-signal dump.
 
-- every rank is its own session and process group (``start_new_session``), so SIGTERM/SIGKILL
-  reach the rank's own children (DataLoader workers, compile workers) too, and a Ctrl-C on the
-  terminal reaches only gpuwarden, which then stops the ranks in order;
-- the first rank to fail stops all others; a rank that exits 0 is simply done;
-- nothing outlives the job: at the end every rank's group is SIGKILLed (harmless when empty),
-  and a tiny reaper process kills the groups if this process itself is SIGKILLed (each rank also
-  has PR_SET_PDEATHSIG, armed by :mod:`gpuwarden._rank`).
+Rules it keeps: the first rank to fail stops all others (SIGTERM, SIGKILL after --grace); a rank
+that exits 0 is simply done; nothing outlives the job. This process imports only the standard
+library: a launch costs tens of milliseconds before the ranks start, and never touches CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import linecache
 import os
 import selectors
 import signal
@@ -30,14 +30,25 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
+from gpuwarden.launch import flight_recorder
 from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
+from gpuwarden.launch.pcontext import ProcessContext
 from gpuwarden.launch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.relay import JobRelay, RankRelay
-from gpuwarden.launch.status import STACK_SIGNAL_NAME, Phase, RankStatus, StatusReader
-from gpuwarden.procs import GroupReaper, describe_exit
+from gpuwarden.launch.sampler import RankSampler, make_request_fifo, sample_interval
+from gpuwarden.launch.stall import (
+    RankView,
+    Stall,
+    current_wait,
+    decide_stall,
+    main_thread_frames,
+)
+from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_paths
 
-_STACK_WAIT_S = 1.5
+REPORT_STACK_FRAMES = 12
+ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
+STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
@@ -57,6 +68,7 @@ class RankExit:
     error: dict[str, Any] | None = None  # the bootstrap's record of an uncaught exception
     fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
     stderr_tail: list[str] = field(default_factory=list)
+    killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
 
     @property
     def failed(self) -> bool:
@@ -68,18 +80,6 @@ class RankExit:
         if self.error and isinstance(self.error.get("monotonic"), (int, float)):
             return min(float(self.error["monotonic"]), self.ended_at)
         return self.ended_at
-
-
-@dataclass
-class Stall:
-    """Ranks waiting longer than the stall timeout while others were elsewhere."""
-
-    waiting: list[int]  # ranks stuck at the same point
-    elsewhere: list[int]  # ranks not at that point: missing, dead, finished, or further along
-    where: dict[int, str]  # rank -> what it was doing
-    stacks: dict[int, list[str]]  # rank -> top frames of its main thread
-    detected_at: float
-    point: str  # "init_process_group" or "all_reduce (collective #3)"
 
 
 @dataclass
@@ -117,6 +117,7 @@ class _Rank:
         self.status = status
         self.relay = relay
         self.exit: RankExit | None = None
+        self.sampler: RankSampler | None = None  # once the bootstrap armed its stack handler
 
 
 class Supervisor:
@@ -144,7 +145,11 @@ class Supervisor:
         self._killed = False
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
         self._stall: Stall | None = None  # set once: a stall is reported once
-        self._reaper: GroupReaper | None = None
+        self._ctx: ProcessContext | None = None
+        self.sample_interval_s = sample_interval(self.config.stall_timeout_s)
+        # Enough samples to cover the stall timeout with a margin (the stall clock starts at
+        # the first sample that shows the unchanged stack).
+        self._keep_samples = int(self.config.stall_timeout_s / self.sample_interval_s) + 4
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -164,7 +169,7 @@ class Supervisor:
         self._started = time.monotonic()
         self._install_signals()
         try:
-            self._reaper = GroupReaper()
+            self._ctx = ProcessContext()
             for spec in self.plan.ranks:
                 self._start(spec)
             self._loop()
@@ -181,22 +186,18 @@ class Supervisor:
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
                           self._interrupt, self.peers, self._stopped_for)
 
-    def _reap_if_we_die(self, pgid: int) -> None:
-        if self._reaper is not None:
-            self._reaper.add(pgid)
-
     def _start(self, spec: RankSpec) -> None:
         status = StatusReader(spec.files.status)
-        for path in (spec.files.error, spec.files.stacks, spec.files.fatal):
+        for path in (spec.files.error, spec.files.stacks, spec.files.fatal,
+                     sample_paths(spec.files.stacks)[1]):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        make_request_fifo(spec.files.stacks)
         env = dict(os.environ)
         env.update(spec.env)
-        proc = subprocess.Popen(
-            list(spec.argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        assert self._ctx is not None
+        proc = self._ctx.start(spec.argv, env)
         rank = _Rank(spec, proc, status, self.relay.open_rank(spec.rank, spec.local_rank))
-        self._reap_if_we_die(rank.pgid)
         for stream in (proc.stdout, proc.stderr):
             assert stream is not None
             os.set_blocking(stream.fileno(), False)
@@ -204,7 +205,8 @@ class Supervisor:
         self.ranks.append(rank)
 
     def _loop(self) -> None:
-        next_stall_check = 0.0
+        next_sample = 0.0
+        next_adopt = time.monotonic() + ADOPT_CHECK_S
         while True:
             self._pump(self.poll_interval_s)
             self._reap_exited()
@@ -212,6 +214,9 @@ class Supervisor:
             live = [r for r in self.ranks if r.exit is None]
             if not live:
                 break
+            if now >= next_adopt and self._ctx is not None:
+                next_adopt = now + ADOPT_CHECK_S
+                self._ctx.adopt()  # orphans re-parented here: noted, reaped when they end
             if self._stop_began is None:
                 failed = any(r.exit is not None and r.exit.failed for r in self.ranks)
                 if not failed:
@@ -225,8 +230,9 @@ class Supervisor:
                             failed = True
                 if self._interrupt is not None or failed:
                     self._begin_stop()
-                elif now >= next_stall_check:
-                    next_stall_check = now + 0.2
+                elif now >= next_sample:
+                    next_sample = now + self.sample_interval_s
+                    self._sample(now)
                     if self.peers is not None:
                         self._check_peers(now)
                     if self._stop_began is None:
@@ -241,7 +247,7 @@ class Supervisor:
                 if not self._killed and (self._hurry or now - self._stop_began >= self.config.grace_s):
                     self._killed = True
                     for r in live:
-                        self._signal_group(r, signal.SIGKILL)
+                        ProcessContext.signal_group(r.pgid, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment).
         deadline = time.monotonic() + 0.3
@@ -250,13 +256,25 @@ class Supervisor:
                 break
 
     def _begin_stop(self) -> None:
+        if self._interrupt is None:
+            self._settle()
         self._stop_began = time.monotonic()
         # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
         sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
-                self._signal_group(r, sig)
+                ProcessContext.signal_group(r.pgid, sig)
+
+    def _settle(self) -> None:
+        """Before the first signal: let a rank that is already ending finish ending. A process's
+        sockets close before it can be reaped (memory and files go first), so its peer's
+        'Connection closed by peer' may be seen before its own exit: a rank that leaves in
+        this moment left on its own (os._exit(0) mid-job), and must not count as stopped."""
+        deadline = time.monotonic() + STOP_SETTLE_S
+        while time.monotonic() < deadline:
+            self._pump(0.02)
+            self._reap_exited()
 
     def _check_placement(self) -> None:
         """Ranks crowding one GPU (a script without set_device): say so once, with the fix."""
@@ -279,8 +297,8 @@ class Supervisor:
         elif view.store_lost_at is not None and now - view.store_lost_at >= STORE_LOST_GRACE_S:
             # Node 0's normal end also closes the store: stop only ranks still *waiting* for
             # others (init or a collective) well after it went away.
-            waiting = [st for st in (_safe_status(r) for r in self.ranks if r.exit is None)
-                       if st is not None and st.phase in (Phase.IN_INIT, Phase.IN_COLLECTIVE)]
+            waiting = [r for r in self.ranks if r.exit is None and r.sampler is not None
+                       and current_wait(r.sampler.samples, _source_line) is not None]
             if waiting:
                 self._stopped_for = "store_lost"
                 self._begin_stop()
@@ -329,10 +347,14 @@ class Supervisor:
             return
         if self._read_peers(time.monotonic()).abort_sent or not self.peers.reader_connected:
             return  # already told, or the store was never reached: nobody to tell
-        failing = sorted(self._failing | {r.spec.rank for r in self.ranks
-                                          if r.exit is not None and r.exit.failed})
+        # Ranks that failed of their own accord: not those this node stopped (their SIGTERM
+        # deaths are its doing), which would otherwise name the wrong rank to the other nodes.
+        failing = sorted(self._failing | {r.spec.rank for r in self.ranks if r.exit is not None
+                                          and r.exit.failed and not r.exit.stopped_by_launcher})
         if failing:
-            what = f"rank {failing[0]} failed"
+            spec = self.plan.spec(failing[0])
+            err = _read_json(spec.files.error) if spec is not None else None
+            what = f"{err.get('type')}: {err.get('message')}" if err else f"rank {failing[0]} failed"
         elif self._interrupt:
             what = f"gpuwarden received {self._interrupt}"
         else:
@@ -342,15 +364,12 @@ class Supervisor:
                   "time": time.time(), "from": "launcher"}
         with contextlib.suppress(OSError):
             self._abort_helper = subprocess.Popen(
-                [sys.executable, "-m", "gpuwarden._store_watch", "--abort", self.plan.master_addr,
-                 str(self.plan.master_port), json.dumps(record)],
+                [sys.executable, "-m", "gpuwarden.launch._store_watch", "--abort",
+                 self.plan.master_addr, str(self.plan.master_port), json.dumps(record)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, close_fds=True)
-            self._reap_if_we_die(self._abort_helper.pid)
-
-    def _signal_group(self, rank: _Rank, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(rank.pgid, sig)
+            if self._ctx is not None:
+                self._ctx.track(self._abort_helper.pid)
 
     def _reap_exited(self) -> None:
         for r in self.ranks:
@@ -364,20 +383,20 @@ class Supervisor:
                 rank=r.spec.rank, pid=r.proc.pid, returncode=code, ended_at=now,
                 stopped_by_launcher=self._stop_began is not None
                 and r.spec.rank not in self._failing,
+                killed_by_launcher=self._killed and code == -signal.SIGKILL,
                 error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal))
             if code != 0:
                 # Lines still in the pipe belong in the report's tail.
                 self._drain(r)
                 r.exit.stderr_tail = list(r.relay.stderr_tail)
+                if not r.exit.fatal_dump.strip():
+                    # torch's @record (elastic's error handler) re-enables faulthandler on
+                    # stderr, replacing the bootstrap's file: the dump is in the output then.
+                    r.exit.fatal_dump = fatal_dump_in(r.exit.stderr_tail)
 
     def _final_cleanup(self) -> None:
-        # Anything left in a rank's group (its own children) goes now; then the reaper may exit.
-        for r in self.ranks:
-            self._signal_group(r, signal.SIGKILL)
-            if r.exit is None:
-                with contextlib.suppress(Exception):
-                    r.proc.kill()
-                    r.proc.wait(5)
+        # Anything left in a rank's group (its own children) goes now, with a bounded reap.
+        ProcessContext.kill_and_reap([r.proc for r in self.ranks])
         if self._stop_began is not None:
             self._tell_other_nodes()
         if self._abort_helper is not None:
@@ -386,8 +405,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self._abort_helper.kill()
                 self._abort_helper.wait()
-        if self._reaper is not None:
-            self._reaper.close()
+        if self._ctx is not None:
+            self._ctx.close()  # adopted orphans (daemons of the ranks) go too
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)
         self._sel.close()
@@ -395,6 +414,8 @@ class Supervisor:
             for stream in (r.proc.stdout, r.proc.stderr):
                 if stream is not None:
                     stream.close()
+            if r.sampler is not None:
+                r.sampler.close()
             r.status.close()
         self.relay.close()
 
@@ -436,87 +457,70 @@ class Supervisor:
 
     # ---- stalls ----------------------------------------------------------------------------
 
+    def _sample(self, now: float) -> None:
+        """One look at every live rank whose stack handler is armed (see sampler.py)."""
+        for r in self.ranks:
+            if r.exit is not None:
+                continue
+            st = _safe_status(r)
+            if st is None or st.phase is not Phase.STARTED:
+                continue
+            if r.sampler is None:
+                r.sampler = RankSampler(r.proc.pid, r.spec.files.stacks, self._keep_samples)
+            r.sampler.tick(now)
+
+    def views(self) -> dict[int, RankView]:
+        """What is known of every rank of the job, for decide_stall."""
+        views: dict[int, RankView] = {}
+        for r in self.ranks:
+            rank = r.spec.rank
+            if r.exit is not None:
+                views[rank] = RankView(rank, "exited", returncode=r.exit.returncode)
+                continue
+            st = _safe_status(r)
+            if st is None or st.phase is Phase.NOT_STARTED:
+                views[rank] = RankView(rank, "not_started")
+            elif st.phase is Phase.FINISHED:
+                views[rank] = RankView(rank, "finished")
+            else:
+                samples = tuple(r.sampler.samples) if r.sampler is not None else ()
+                views[rank] = RankView(rank, "running", samples)
+        if self.peers is not None and self.peers.reader_connected:
+            # Other nodes' ranks: only the store's word on who reached init_process_group.
+            for rank in range(self.plan.world_size):
+                if rank in views:
+                    continue
+                missing = "" if rank in self.peers.arrived else (
+                    f"(node {self.plan.node_of(rank)}) has not reached init_process_group (not "
+                    "in the job's store); last seen: never")
+                views[rank] = RankView(rank, "remote", remote_where=missing)
+        return views
+
     def _check_stall(self, now: float) -> None:
         if self._stall is not None:
             return
-        timeout = self.config.stall_timeout_s
-        states: dict[int, RankStatus | None] = {}
-        for r in self.ranks:
-            states[r.spec.rank] = None if r.exit is not None else _safe_status(r)
-        waiting = [rank for rank, st in states.items() if st is not None
-                   and st.phase in (Phase.IN_INIT, Phase.IN_COLLECTIVE) and now - st.since > timeout]
-        if not waiting:
+        stall = decide_stall(self.views(), now, self.config.stall_timeout_s, _source_line)
+        if stall is None:
             return
-        ref = states[waiting[0]]
-        assert ref is not None
-        same = [rank for rank, st in states.items() if st is not None and st.point == ref.point]
-        elsewhere = [rank for rank in states if rank not in same]
-        remote: dict[int, str] = {}
-        if ref.phase is Phase.IN_INIT and self.peers is not None:
-            remote = self._remote_missing()
-            elsewhere += sorted(remote)
-        if not elsewhere:
-            return  # everyone waits at the same point: a slow collective, not a missing rank
-        where: dict[int, str] = {}
-        for r in self.ranks:
-            st = states[r.spec.rank]
-            if r.exit is not None:
-                how = "exited with code 0" if r.exit.returncode == 0 else _exit_words(r.exit.returncode)
-                where[r.spec.rank] = f"{how} (pid {r.proc.pid})"
-            elif st is not None:
-                where[r.spec.rank] = st.describe(now)
-        where.update(remote)
-        point = ("init_process_group" if ref.phase is Phase.IN_INIT
-                 else f"{ref.op} (collective #{ref.collectives})")
-        stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
-        self._stall = Stall(sorted(same), sorted(elsewhere), where, stacks, now, point)
+        stall.stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
+        stall.flight_records = flight_recorder.summary(self.plan.run_dir)
+        self._stall = stall
         if self.config.keep_waiting:
             if self.on_stall is not None:
                 self.on_stall(self._stall)
         else:
             self._begin_stop()
 
-    def _remote_missing(self) -> dict[int, str]:
-        """Ranks of other nodes that have not reached init_process_group, per the store."""
-        assert self.peers is not None
-        if not self.peers.reader_connected:
-            return {}  # no word from the store: nothing can be said about other nodes
-        local = set(self.plan.local_ranks)
-        out = {}
-        for rank in range(self.plan.world_size):
-            if rank in local or rank in self.peers.arrived:
-                continue
-            out[rank] = (f"(node {self.plan.node_of(rank)}) has not reached init_process_group "
-                         "(not in the job's store); last seen: never")
-        return out
-
     def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
-        """Ask each rank for a faulthandler dump (only once its handler is armed) and read it."""
-        sig = getattr(signal, STACK_SIGNAL_NAME)
-        sizes: dict[int, int] = {}
-        asked = []
-        for r in ranks:
-            st = _safe_status(r)
-            if st is None or st.phase in (Phase.NOT_STARTED, Phase.FINISHED, Phase.FAILED):
-                continue
-            sizes[r.spec.rank] = _size(r.spec.files.stacks)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(r.proc.pid, sig)
-                asked.append(r)
-        deadline = time.monotonic() + _STACK_WAIT_S
-        last: dict[int, int] = {}
-        while time.monotonic() < deadline:
-            self._pump(0.05)
-            now_sizes = {r.spec.rank: _size(r.spec.files.stacks) for r in asked}
-            grown = all(now_sizes[k] > sizes[k] for k in now_sizes)
-            if grown and now_sizes == last:
-                break  # every dump has started and none grew since the last look
-            last = now_sizes
+        """A fresh dump of each rank's script thread (its latest sample when none comes)."""
         out = {}
-        for r in asked:
-            with open(r.spec.files.stacks, "rb") as f:
-                f.seek(sizes[r.spec.rank])
-                out[r.spec.rank] = main_thread_frames(f.read().decode(errors="replace"))
+        for r in ranks:
+            if r.sampler is None:
+                continue
+            self._pump(0)
+            frames = main_thread_frames(r.sampler.fresh_dump(), REPORT_STACK_FRAMES)
+            if frames:
+                out[r.spec.rank] = frames
         return out
 
     # ---- signals ---------------------------------------------------------------------------
@@ -540,7 +544,7 @@ class Supervisor:
         def on_forward(signum: int, _frame: Any) -> None:
             for r in self.ranks:
                 if r.exit is None:
-                    self._signal_group(r, signal.Signals(signum))
+                    ProcessContext.signal_group(r.pgid, signal.Signals(signum))
 
         # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
         handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]
@@ -575,25 +579,16 @@ def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signal
     return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
 
 
-def main_thread_frames(dump: str, limit: int = 6) -> list[str]:
-    """The innermost frames of the thread running the script, from a faulthandler dump,
-    without the bootstrap's and runpy's frames. faulthandler lists the most recent call first."""
-    blocks: list[list[str]] = []
-    for line in dump.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x")):
-            blocks.append([])
-        elif line.startswith("  File ") and blocks:
-            blocks[-1].append(line.strip())
-    if not blocks:
-        return []
-    main = next((b for b in blocks if any("gpuwarden/_rank.py" in f for f in b)), blocks[0])
-    noise = ("gpuwarden/_rank.py", "runpy", "c10d_logger.py")  # bootstrap, runpy, torch's log wrapper
-    frames = [f for f in main if not any(n in f for n in noise)]
-    return frames[:limit]
+def fatal_dump_in(lines: list[str]) -> str:
+    """The faulthandler dump a crashed rank printed on stderr ('Fatal Python error: ...'), if any."""
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            return "\n".join(lines[i:])
+    return ""
 
 
-def _exit_words(returncode: int) -> str:
-    return f"killed by {describe_exit(returncode)}" if returncode < 0 else f"exited with {describe_exit(returncode)}"
+def _source_line(path: str, lineno: int) -> str:
+    return linecache.getline(path, lineno)
 
 
 def _safe_status(r: _Rank) -> RankStatus | None:
@@ -601,13 +596,6 @@ def _safe_status(r: _Rank) -> RankStatus | None:
         return r.status.read()
     except (OSError, ValueError):
         return None
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _read_json(path: str) -> dict[str, Any] | None:

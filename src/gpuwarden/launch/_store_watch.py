@@ -1,9 +1,11 @@
 """The rank side of multi-node diagnosis, on the TCPStore torch.distributed already runs.
 
 No second server: rank 0's ``init_process_group`` (env://) hosts a c10d TCPStore at
-MASTER_ADDR:MASTER_PORT, and every rank connects to it. When a rank enters
-``init_process_group`` the bootstrap (:mod:`gpuwarden._rank`) starts :class:`StoreWatch`, a
-daemon thread holding one more *client* of that store, opened with ``world_size=None`` and
+MASTER_ADDR:MASTER_PORT, and every rank connects to it. Nothing of torch is wrapped to learn
+when a rank gets there: the bootstrap (:mod:`gpuwarden.launch._bootstrap`) starts a daemon
+thread that looks at the main thread's frames (``sys._current_frames``, 10 times a second,
+multi-node only) and, once ``init_process_group`` is among them (torch is imported by then),
+starts :class:`StoreWatch` in that thread: one more *client* of that store, opened with ``world_size=None`` and
 ``wait_for_workers=False``. In torch's TCPStore.cpp such a client never touches the store's
 worker counter (``waitForWorkers`` returns at once without ``numWorkers`` and is only called
 with ``waitWorkers``), so rank 0's "N/M clients joined" count and its wait are untouched; the
@@ -17,7 +19,7 @@ thread's keys live under ``gpuwarden/``, beside the process group's own prefixed
 - what it sees goes to ``GPUWARDEN_PEERS_FILE`` (JSON, replaced atomically), which the node's
   supervisor reads with its progress records. The supervisor never imports torch.
 
-``python -m gpuwarden._store_watch --abort HOST PORT JSON`` sets the abort key from a short-lived
+``python -m gpuwarden.launch._store_watch --abort HOST PORT JSON`` sets the abort key from a short-lived
 process: the supervisor uses it when its rank died without saying so itself (a signal).
 """
 
@@ -132,23 +134,97 @@ class StoreWatch(threading.Thread):
 
 
 _watch: StoreWatch | None = None
+_LOOK_S = 0.1  # how often the joining thread looks at the main thread's frames
 
 
-def start(env: dict[str, str] | os._Environ[str]) -> None:
-    """Start the watch once per process (init_process_group may be called again)."""
-    global _watch
-    if _watch is None and env.get("GPUWARDEN_PEERS_FILE"):
-        _watch = StoreWatch(env)
-        _watch.start()
+def _calls(frame: Any, name: str) -> bool:
+    """Whether ``frame`` or one of its callers is torch's function ``name``."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == name and "torch" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Joining(threading.Thread):
+    """Waits (without touching torch) until the main thread is inside init_process_group, then
+    runs the store watch; stops it when the script leaves the process group."""
+
+    def __init__(self, env: dict[str, str] | os._Environ[str]) -> None:
+        super().__init__(name="gpuwarden-store-join", daemon=True)
+        self.env = dict(env)
+        self.main_ident = threading.main_thread().ident
+        self.quit = threading.Event()
+
+    def run(self) -> None:
+        global _watch
+        if not self._until("init_process_group"):
+            return
+        watch = StoreWatch(self.env)
+        _watch = watch
+        watch.start()
+        # The script leaving the process group: rank 0's store is about to go away on purpose.
+        if self._until("destroy_process_group"):
+            watch.stopping.set()
+
+    def _until(self, name: str) -> bool:
+        """Wait until the main thread is inside torch's ``name``; False when told to quit."""
+        while not self.quit.wait(_LOOK_S):
+            if _main_calls(self.main_ident or 0, name):
+                return True
+        return False
+
+
+def _main_calls(main_ident: int, name: str) -> bool:
+    """A function of its own so that no reference to the main thread's frames outlives the look:
+    a frame kept by this thread keeps its locals (a process group, a store) alive into the
+    interpreter's finalization, where their C++ destructors abort ('terminate called without an
+    active exception')."""
+    frame = sys._current_frames().get(main_ident)
+    try:
+        return frame is not None and _calls(frame, name)
+    finally:
+        del frame
+
+
+_joining: _Joining | None = None
+
+
+def start_when_joining(env: dict[str, str] | os._Environ[str]) -> None:
+    """Multi-node: start the store watch once the script enters init_process_group."""
+    global _joining
+    if _joining is None and env.get("GPUWARDEN_PEERS_FILE"):
+        _joining = _Joining(env)
+        _joining.start()
+
+
+def connected(wait_s: float = 0.0) -> bool:
+    """Whether this rank holds a store client; a rank that fails right after init may wait up
+    to ``wait_s`` for its watch to finish connecting (it is failing anyway)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if _watch is not None and _watch.store is not None:
+            return True
+        if _watch is None or not _watch.is_alive() or time.monotonic() >= deadline:
+            return False  # never reached init, or the connection failed, or too late
+        time.sleep(0.02)
 
 
 def stop() -> None:
-    """The script leaves the process group (or ends): stop polling first, so that rank 0's
-    store going away on purpose is not mistaken for node 0 dying."""
+    """The script ends: stop polling first, so that rank 0's store going away on purpose is
+    not mistaken for node 0 dying."""
+    if _joining is not None:
+        _joining.quit.set()
     if _watch is not None:
         _watch.stopping.set()
         if _watch is not threading.current_thread():
             _watch.join(timeout=2 * POLL_S)
+            if not _watch.is_alive():
+                # Close the store client now, in the main thread: left to the interpreter's
+                # finalization, its C++ destructor may run with a thread still joinable
+                # ('terminate called without an active exception', SIGABRT after a good run).
+                _watch.store = None
 
 
 def abort_from_rank(record: dict[str, Any]) -> bool:
@@ -159,7 +235,7 @@ def abort_from_rank(record: dict[str, Any]) -> bool:
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 4 or argv[0] != "--abort":
-        print("usage: python -m gpuwarden._store_watch --abort HOST PORT JSON", file=sys.stderr)
+        print("usage: python -m gpuwarden.launch._store_watch --abort HOST PORT JSON", file=sys.stderr)
         return 2
     host, port, record = argv[1], int(argv[2]), json.loads(argv[3])
     try:
