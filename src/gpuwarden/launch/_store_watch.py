@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -159,7 +160,9 @@ class _Joining(threading.Thread):
 
     def run(self) -> None:
         global _watch
-        if not self._until("init_process_group"):
+        # Entering init_process_group is seen by sampling, so a rank whose init took less than
+        # one look (the last node to arrive joins at once) is recognised by its process group.
+        if not self._until("init_process_group", or_done=_joined):
             return
         watch = StoreWatch(self.env)
         _watch = watch
@@ -168,12 +171,21 @@ class _Joining(threading.Thread):
         if self._until("destroy_process_group"):
             watch.stopping.set()
 
-    def _until(self, name: str) -> bool:
-        """Wait until the main thread is inside torch's ``name``; False when told to quit."""
+    def _until(self, name: str, or_done: Callable[[], bool] | None = None) -> bool:
+        """Wait until the main thread is inside torch's ``name`` (or ``or_done()``, the call's
+        effect, is seen); False when told to quit."""
         while not self.quit.wait(_LOOK_S):
-            if _main_calls(self.main_ident or 0, name):
+            if _main_calls(self.main_ident or 0, name) or (or_done is not None and or_done()):
                 return True
         return False
+
+
+def _joined() -> bool:
+    """Whether the script's default process group exists. Reads torch's module global without
+    importing or calling anything of torch, and keeps no reference to the group."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    member = getattr(c10d, "GroupMember", None)
+    return getattr(member, "WORLD", None) is not None
 
 
 def _main_calls(main_ident: int, name: str) -> bool:
