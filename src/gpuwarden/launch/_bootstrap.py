@@ -38,6 +38,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import types
 from typing import Any
@@ -45,6 +46,8 @@ from typing import Any
 from gpuwarden.launch.status import STACK_SIGNAL, Phase, StatusWriter, sample_paths
 from gpuwarden.procs import die_with_parent
 
+# threading is imported above, in the main thread, on purpose: imported first by the sampling
+# thread, it would take that thread for the main one, and the interpreter's exit would wait for it.
 _status: StatusWriter | None = None
 # faulthandler writes to these file descriptors from a signal handler for the life of the
 # process; the bootstrap's own module object is kept too (the script replaces __main__).
@@ -85,8 +88,6 @@ def _arm(env: os._Environ[str] | dict[str, str]) -> None:
 
 def format_stacks(frames: dict[int, types.FrameType], skip: int) -> str:
     """Every thread's stack in faulthandler's format (innermost first), the main thread first."""
-    import threading
-
     main = threading.main_thread().ident
     out = []
     for ident in sorted(frames, key=lambda i: i != main):

@@ -112,11 +112,12 @@ class Wait:
         return (self.kind, self.op)
 
     def describe(self) -> str:
+        """What the rank waits in, in words: 'all_reduce', 'a .wait() on an async collective'."""
         if self.kind == "wait":
-            return f"a .wait() on an async collective at {self.site}"
+            return "a .wait() on an async collective"
         if self.kind == "backward":
-            return f"backward at {self.site} (DDP's gradient all-reduce)"
-        return f"{self.op} at {self.site}"
+            return "backward (DDP's gradient all-reduce)"
+        return self.op
 
 
 def _user_site(frames: Sequence[Frame]) -> str:
@@ -268,7 +269,8 @@ def describe_rank(v: RankView, w: _Waiting | None, now: float) -> str:
     if v.state == "exited":
         return "exited" if v.returncode is None else _ended(v.returncode)
     if w is not None:
-        return f"waiting in {w.wait.describe()} for {now - w.since:.1f} s (stack unchanged)"
+        return (f"waiting in {w.wait.describe()} for {now - w.since:.1f} s at {w.wait.site} "
+                "(stack unchanged)")
     frames = next((s.frames for s in reversed(v.samples) if s.frames), ())
     if not frames:
         return "running (no stack sampled yet)"

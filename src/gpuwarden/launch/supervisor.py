@@ -48,6 +48,7 @@ from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_path
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
+STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
@@ -64,10 +65,10 @@ class RankExit:
     returncode: int
     ended_at: float  # monotonic, when the supervisor saw it
     stopped_by_launcher: bool  # it ended after gpuwarden began stopping the job
-    killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
     error: dict[str, Any] | None = None  # the bootstrap's record of an uncaught exception
     fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
     stderr_tail: list[str] = field(default_factory=list)
+    killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
 
     @property
     def failed(self) -> bool:
@@ -255,9 +256,8 @@ class Supervisor:
                 break
 
     def _begin_stop(self) -> None:
-        # A rank that ended a moment ago (its sockets close before it can be reaped: its peer
-        # may fail first) ended on its own, not because of this stop.
-        self._reap_exited()
+        if self._interrupt is None:
+            self._settle()
         self._stop_began = time.monotonic()
         # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
@@ -265,6 +265,16 @@ class Supervisor:
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
                 ProcessContext.signal_group(r.pgid, sig)
+
+    def _settle(self) -> None:
+        """Before the first signal: let a rank that is already ending finish ending. A process's
+        sockets close before it can be reaped (memory and files go first), so its peer's
+        'Connection closed by peer' may be seen before its own exit: a rank that leaves in
+        this moment left on its own (os._exit(0) mid-job), and must not count as stopped."""
+        deadline = time.monotonic() + STOP_SETTLE_S
+        while time.monotonic() < deadline:
+            self._pump(0.02)
+            self._reap_exited()
 
     def _check_placement(self) -> None:
         """Ranks crowding one GPU (a script without set_device): say so once, with the fix."""

@@ -1,0 +1,51 @@
+"""Stalls on real GPUs (NCCL), with the flight recorder. Skipped where NVML reports fewer than
+two GPUs. NCCL's own watchdog would wait 10 minutes; the stall timeout here is 10 s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.launch.runner import launch
+
+SCRIPT = str(Path(__file__).parent / "launch_scripts" / "nccl_stalls.py")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftover_processes")]
+
+
+def gpu_count() -> int:
+    from gpuwarden.inventory.nvml import NvmlBackend
+
+    return len(NvmlBackend().read_host().gpus)
+
+
+@pytest.fixture(autouse=True)
+def _real_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for var in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.delenv(var, raising=False)  # the user's own settings would win
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode, words", [
+    ("barrier", "waited in barrier for more than 10 s"),
+    ("mismatch", "ranks wait in different collectives"),
+])
+def test_nccl_stall_is_named_with_the_flight_recorder(mode: str, words: str) -> None:
+    if gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    config = LaunchConfig(target=SCRIPT, args=(mode,), nproc=2, gpus=2, stall_timeout_s=10.0,
+                          grace_s=2.0)
+    report, outcome = launch(config)
+    text = report.render()
+    assert report.code == "RANK_STALL", text
+    assert words in report.what, text
+    assert outcome.stall is not None and outcome.stall.elsewhere == [1], text
+    # both ranks answered the dump request: rank 1 never joined the collective rank 0 waits in
+    # (barrier) or is in another one (mismatch); either way the recorder lists both ranks
+    assert "NCCL flight recorder:" in text, text
+    assert "rank 0: last collective #" in text and "rank 1: last collective #" in text, text
+    if mode == "barrier":
+        assert "rank(s) 1 never joined it" in text, text
