@@ -51,10 +51,19 @@ def test_causes_that_can_pass_are_restarted_every_time_within_the_budget() -> No
     for failure in (SIGKILLED, Failure("NCCL_WATCHDOG_TIMEOUT", 0, "torch.distributed.DistBackendError",
                                        "/x.py:9"),
                     Failure("RDZV_CONNECT_TIMEOUT", 2, "torch.distributed.DistNetworkError", "/x.py:3"),
-                    Failure("RANK_STALL"), Failure("NODE_ABORTED", 3, "KeyError", "node 1")):
+                    Failure("RANK_STALL"), Failure("NODE_ABORTED", 3, what="exit code -9"),
+                    Failure("RANK_FAILED", 0, "RuntimeError", "/x.py:3", echo=True)):
         assert decide_restart([failure, failure], failure, policy).restart, failure
         spent = decide_restart([failure] * 3, failure, policy)
         assert not spent.restart and "no restarts left (--max-restarts 3)" in spent.reason
+
+
+def test_another_nodes_same_exception_twice_ends_this_node_too() -> None:
+    """Every node decides alike: node 1's KeyError reaches node 0 as NODE_ABORTED."""
+    remote = Failure("NODE_ABORTED", 3, "KeyError", "node 1", what="KeyError: 'lr'")
+    assert decide_restart([], remote, RestartPolicy(3)).restart
+    assert decide_restart([remote], remote, RestartPolicy(3)).reason == \
+        "same failure twice, not restarting"
 
 
 def test_the_jobs_configuration_is_not_restarted_unless_always() -> None:

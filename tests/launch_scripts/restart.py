@@ -2,10 +2,11 @@
 
 kill_once:       rank 1 SIGKILLs itself after init_process_group on attempt 0; then all finish.
 raise_rank0:     rank 0 (the store's host) raises after an all_reduce on attempt 0; then all finish.
-keyerror:        rank 1 raises the same KeyError at the same line on every attempt, after init.
+raise_last:      the last rank (on the last node) does the same.
+keyerror:        the last rank raises the same KeyError at the same line on every attempt, after init.
 ecc_once:        no torch (a simulated GPU host): rank 1 prints a Xid and a CUDA ECC error and
                  dies on attempt 0; every rank then prints the GPU it was given.
-Every rank that finishes prints "rank R done, restart count K of M, sum S".
+Every rank that finishes prints "rank R done, restart count K of M, sum S" (S = WORLD_SIZE**2).
 """
 import os
 import signal
@@ -35,9 +36,12 @@ if attempt == 0 and mode == "kill_once" and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 if attempt == 0 and mode == "raise_rank0" and rank == 0:
     raise RuntimeError("lost the batch")
-if mode == "keyerror" and rank == 1:
+if attempt == 0 and mode == "raise_last" and rank == dist.get_world_size() - 1:
+    raise RuntimeError("lost the batch")
+if mode == "keyerror" and rank == dist.get_world_size() - 1:
     config: dict[str, int] = {}
     print(config["learning_rate"])
 dist.all_reduce(total)  # the others wait here for the rank that failed
-print(f"rank {rank} done, restart count {attempt} of {limit}, sum {int(total.item())}")
+print(f"rank {rank} done, restart count {attempt} of {limit}, sum {int(total.item())}", flush=True)
+dist.barrier()  # no rank tears gloo down while a peer (on another node) still uses it
 dist.destroy_process_group()

@@ -36,7 +36,8 @@ def run_attempts(config: LaunchConfig, gpus: tuple[GPUSnapshot, ...], run_attemp
                  sleep: Callable[[float], None] = time.sleep) -> tuple[LaunchReport, RunOutcome]:
     """Run attempts until one succeeds or :func:`decide_restart` says stop; the last attempt's
     report, with every earlier attempt's failure in its evidence."""
-    policy = RestartPolicy(config.max_restarts, config.restart_on, config.restart_backoff_s)
+    policy = RestartPolicy(config.max_restarts, config.restart_on, config.restart_backoff_s,
+                           config.multinode)
     total = config.max_restarts + 1
     history: list[Failure] = []
     said: list[str] = []  # one evidence line per failed attempt, for the final report

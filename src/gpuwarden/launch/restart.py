@@ -20,10 +20,11 @@ tests feed recorded failures (tests/test_launch_restart.py).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpuwarden.launch.report import LaunchReport
@@ -37,7 +38,6 @@ DEFAULT_RESTART_BACKOFF_S = 1.0
 TRANSIENT_CODES = frozenset({
     "NCCL_WATCHDOG_TIMEOUT", "RDZV_CONNECT_TIMEOUT", "RDZV_CONN_REFUSED", "RDZV_WORKERS_MISSING",
     "RANK_STALL", "GPU_HARDWARE_FAULT", "CUDA_DEVICES_BUSY", "DATALOADER_WORKER_KILLED",
-    "NODE_ABORTED",
 })
 # The job's own configuration: every attempt would fail the same way (failure-codes.md's fix
 # is a change to the command line, the script or the host, never time).
@@ -48,6 +48,7 @@ PERMANENT_CODES = frozenset({
 # A GPU that caused the failure: released, and another one leased for the next attempt.
 EXCLUDE_GPU_CODES = frozenset({"GPU_HARDWARE_FAULT", "CUDA_DEVICES_BUSY"})
 
+_EXC_TYPE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\w*): ")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)', re.MULTILINE)
 
 
@@ -56,6 +57,7 @@ class RestartPolicy:
     max_restarts: int = 0
     restart_on: str = "auto"
     backoff_s: float = DEFAULT_RESTART_BACKOFF_S
+    multinode: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Failure:
     gpu: str | None = None  # the rank's GPU uuid, None on CPU or another node
     gpu_label: str | None = None  # how reports name it
     what: str = ""  # one line for the attempt's line on stderr
+    echo: bool = False  # the rank failed because a peer went away (another node's failure)
 
     @property
     def signature(self) -> tuple[object, ...] | None:
@@ -101,15 +104,51 @@ def decide_restart(history: Sequence[Failure], failure: Failure, policy: Restart
     exclude = (failure.gpu,) if failure.code in EXCLUDE_GPU_CODES and failure.gpu else ()
     if policy.restart_on == "always":
         return Decision(True, "restarting (--restart-on always)", exclude)
+    if policy.multinode and history and failure.code == "RDZV_WORKERS_MISSING":
+        # The ranks of another node never joined this restart: that node ended the job (its
+        # own decision: the same failure twice, no restarts left). Waiting again would not help.
+        return Decision(False, "other nodes did not join the restarted attempt (they ended "
+                        "the job), not restarting")
     if failure.code in PERMANENT_CODES:
         return Decision(False, f"{failure.code} is in the job's configuration: every attempt "
                         "would fail the same way, not restarting")
-    if failure.code in TRANSIENT_CODES or (failure.signal is not None and failure.exc_type is None):
+    if failure.code in TRANSIENT_CODES or failure.echo or (failure.signal is not None
+                                                           and failure.exc_type is None):
         return Decision(True, "a cause that can pass: restarting", exclude)
     if history and failure.signature is not None and history[-1].signature == failure.signature:
         return Decision(False, "same failure twice, not restarting")
     return Decision(True, "restarting (the same failure on the next attempt would end the job)",
                     exclude)
+
+
+def _abort_record(outcome: RunOutcome) -> dict[str, Any] | None:
+    """Multi-node: another node's failure record (the job's abort key), as the supervisor saw
+    it, else as any of this node's ranks' store watches wrote it after the supervisor stopped
+    looking (a rank that failed on an echo ends the watch of the job early)."""
+    plan = outcome.plan
+    if plan.nnodes == 1:
+        return None
+    rec = outcome.peers.abort if outcome.peers is not None else None
+    for spec in plan.ranks:
+        if rec is not None:
+            break
+        try:
+            with open(spec.files.peers, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("abort"), dict):
+            rec = data["abort"]
+    if rec is None or int(rec.get("node", -1)) == plan.node_rank:
+        return None
+    return rec
+
+
+def _is_echo_root(outcome: RunOutcome, rank: int | None) -> bool:
+    from gpuwarden.launch.report import is_echo
+
+    ex = outcome.exits.get(rank) if rank is not None else None
+    return ex is not None and is_echo(ex)
 
 
 def innermost_frame(traceback: str) -> str | None:
@@ -124,16 +163,24 @@ def failure_of(report: LaunchReport, outcome: RunOutcome) -> Failure:
 
     code = report.code or "RANK_FAILED"
     rank = report.root_rank
-    if code == "NODE_ABORTED" and outcome.peers is not None and outcome.peers.abort:
-        rec = outcome.peers.abort  # another node's failing rank: its own words (type: message)
+    abort = _abort_record(outcome)
+    if abort is not None and (code == "NODE_ABORTED" or _is_echo_root(outcome, rank)):
+        # Another node's failing rank, in its own words ("KeyError: 'lr'", "exit code -9"):
+        # every node then decides alike, the same exception twice included.
+        rec = abort
         what = str(rec.get("what", ""))
-        return Failure(code, int(rec.get("rank", -1)), exc_type=what.split(":", 1)[0] or None,
+        typed = _EXC_TYPE.match(what)
+        return Failure(code, int(rec.get("rank", -1)), exc_type=typed.group(1) if typed else None,
                        where=f"node {rec.get('node')}", what=what)
     ex = outcome.exits.get(rank) if rank is not None else None
     spec = outcome.plan.spec(rank) if rank is not None else None
     gpu = spec.gpu if spec is not None else None
     exc_type = where = sig = None
+    echo = False
     if ex is not None:
+        from gpuwarden.launch.report import is_echo
+
+        echo = is_echo(ex)
         err = ex.error or {}
         if err.get("type"):
             exc_type = str(err["type"])
@@ -141,4 +188,4 @@ def failure_of(report: LaunchReport, outcome: RunOutcome) -> Failure:
         if ex.returncode < 0 and not (err and ex.killed_by_launcher):
             sig = signal_name(-ex.returncode)
     return Failure(code, rank, exc_type, where, sig, gpu.uuid if gpu else None,
-                   gpu.label if gpu else None, report.what)
+                   gpu.label if gpu else None, report.what, echo)

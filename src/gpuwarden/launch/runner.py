@@ -50,6 +50,11 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
 
         def run_attempt(attempt: int, gpus: tuple[GPUSnapshot, ...],
                         notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
+            if config.multinode and attempt > 0:
+                # The restart's rendezvous (--master-port + attempt): node 0 checks it is free,
+                # the others wait (--rdzv-timeout) for node 0's restarted rank 0 to bind it; a
+                # node 0 that ended the job is then named rather than waited for forever.
+                _restart_rendezvous(config, attempt, err)
             plan = _attempt_plan(config, attempt, gpus, run_id=run_id, work=work,
                                  log_run_dir=log_run_dir, argv=argv)
             for note in (*notes, *(plan.notes if attempt == 0 else ())):
@@ -95,6 +100,24 @@ def attempt_port(config: LaunchConfig, attempt: int) -> int:
     if config.multinode and config.master_port is not None:
         return config.master_port + attempt
     return choose_port(config if attempt == 0 else replace(config, master_port=None))
+
+
+def _restart_rendezvous(config: LaunchConfig, attempt: int, err: TextIO) -> None:
+    from gpuwarden.errors import RendezvousError
+    from gpuwarden.launch.rendezvous import check_rendezvous
+
+    try:
+        check_rendezvous(replace(config, master_port=attempt_port(config, attempt)),
+                         dict(os.environ), err=err)
+    except RendezvousError as exc:
+        if config.node_rank == 0 or exc.code != "RDZV_CONN_REFUSED":
+            raise
+        raise RendezvousError(
+            f"node 0 did not start attempt {attempt + 1} of {config.max_restarts + 1} within "
+            f"{config.rdzv_timeout_s:g} s (--rdzv-timeout); this node stops too", code=exc.code,
+            why="node 0 ended the job instead of restarting it: its own report says why (the "
+            "same failure twice, no restarts left, or a cause a restart cannot fix)",
+            fix="read node 0's report", evidence=exc.evidence) from None
 
 
 def _attempt_dir(work: str, attempt: int) -> str:
