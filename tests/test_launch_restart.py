@@ -113,14 +113,21 @@ def _launch(capsys: pytest.CaptureFixture[str], mode: str, **kw: object):  # typ
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("cpu_host")
 def test_a_rank_sigkilled_after_init_is_restarted_and_the_job_finishes(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    report, outcome, out, err = _launch(capsys, "kill_once", cpu=True, max_restarts=2)
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report, outcome, out, err = _launch(capsys, "kill_once", cpu=True, max_restarts=2,
+                                        log_dir=str(tmp_path), run_id="job")
     assert report.exit_code == 0, report.render() + err
     for rank in (0, 1):
         assert f"[rank{rank}]: rank {rank} done, restart count 1 of 2, sum 4" in out
     assert re.search(r"attempt 1/3 failed: RANK_FAILED \(rank 1: SIGKILL\); a cause that can "
                      r"pass: restarting in 0.2 s", err), err
     assert outcome.plan.attempt == 1
+    # torchrun's log layout: one attempt_<k> per attempt, each with its error-file directories
+    (run,) = tmp_path.glob("job_*")
+    assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
+    assert (run / "attempt_1" / "1").is_dir()
+    assert outcome.plan.ranks[1].env["TORCHELASTIC_ERROR_FILE"] == str(
+        run / "attempt_1" / "1" / "error.json")
     assert "on attempt 2 of 3 (after 1 restart(s)" in report.what
 
 
