@@ -6,30 +6,21 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _netns import Hosts, make_hosts, remove_hosts, unavailable_reason  # noqa: E402
+import test_multinode_jobs as jobs  # noqa: E402
+from _netns import Hosts, unavailable_reason  # noqa: E402
 from test_multinode_jobs import GPUWARDEN, _finish, _no_leftovers  # noqa: E402
+
+hosts = jobs.hosts  # the same two namespace hosts' fixture (made once for this module)
 
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "restart.py")
 _reason = unavailable_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
               pytest.mark.timeout(150)]
-
-
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    h = make_hosts(2)
-    try:
-        for i in range(2):
-            h.write_hosts(i, [f"{h.addrs[i]} {os.uname().nodename}"])
-        yield h
-    finally:
-        remove_hosts(h)
 
 
 def _job(h: Hosts, port: int, mode: str, restarts: int) -> list[tuple[int, str, float]]:
