@@ -147,22 +147,14 @@ _watch: StoreWatch | None = None
 _LOOK_S = 0.1  # how often the joining thread looks at the main thread's frames
 
 
-def _in_init(frame: Any) -> bool:
+def _calls(frame: Any, name: str) -> bool:
+    """Whether ``frame`` or one of its callers is torch's function ``name``."""
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "init_process_group" and "torch" in code.co_filename:
+        if code.co_name == name and "torch" in code.co_filename:
             return True
         frame = frame.f_back
     return False
-
-
-def _process_group_left() -> bool:
-    """The script called destroy_process_group (torch's public is_initialized says so)."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        return dist is not None and not dist.is_initialized()
-    except Exception:
-        return False
 
 
 class _Joining(threading.Thread):
@@ -177,21 +169,33 @@ class _Joining(threading.Thread):
 
     def run(self) -> None:
         global _watch
-        while not self.quit.wait(_LOOK_S):
-            frame = sys._current_frames().get(self.main_ident or 0)
-            if frame is not None and _in_init(frame):
-                break
-        else:
+        if not self._until("init_process_group"):
             return
         watch = StoreWatch(self.env)
         _watch = watch
         watch.start()
-        seen_joined = False
-        while not watch.stopping.wait(_LOOK_S * 5):
-            left = _process_group_left()
-            if seen_joined and left:
-                watch.stopping.set()  # rank 0's store is about to go away on purpose
-            seen_joined = seen_joined or not left
+        # The script leaving the process group: rank 0's store is about to go away on purpose.
+        if self._until("destroy_process_group"):
+            watch.stopping.set()
+
+    def _until(self, name: str) -> bool:
+        """Wait until the main thread is inside torch's ``name``; False when told to quit."""
+        while not self.quit.wait(_LOOK_S):
+            if _main_calls(self.main_ident or 0, name):
+                return True
+        return False
+
+
+def _main_calls(main_ident: int, name: str) -> bool:
+    """A function of its own so that no reference to the main thread's frames outlives the look:
+    a frame kept by this thread keeps its locals (a process group, a store) alive into the
+    interpreter's finalization, where their C++ destructors abort ('terminate called without an
+    active exception')."""
+    frame = sys._current_frames().get(main_ident)
+    try:
+        return frame is not None and _calls(frame, name)
+    finally:
+        del frame
 
 
 _joining: _Joining | None = None
@@ -218,6 +222,11 @@ def stop() -> None:
         _watch.stopping.set()
         if _watch is not threading.current_thread():
             _watch.join(timeout=2 * POLL_S)
+            if not _watch.is_alive():
+                # Close the store client now, in the main thread: left to the interpreter's
+                # finalization, its C++ destructor may run with a thread still joinable
+                # ('terminate called without an active exception', SIGABRT after a good run).
+                _watch.store = None
 
 
 def abort_from_rank(record: dict[str, Any]) -> bool:
