@@ -73,7 +73,11 @@ def run_attempts(config: LaunchConfig, gpus: tuple[GPUSnapshot, ...], run_attemp
                 report.evidence.append(f"--max-restarts {config.max_restarts}: {decision.reason}")
                 return report, outcome
             history.append(failure)
-            sleep(policy.backoff_s)
+            try:
+                sleep(policy.backoff_s)
+            except KeyboardInterrupt:  # Ctrl-C between attempts: no rank runs, stop here
+                report.evidence.append("interrupted (SIGINT) before the next attempt")
+                return report, outcome
     finally:
         swaps.release()
 
