@@ -5,7 +5,7 @@
 1. recovery: rank 1 is SIGKILLed after its first step on attempt 0 (--max-restarts 1); the
    time from its death to the first step of the next attempt (every rank past init_process_group
    and one all_reduce), for gpuwarden with --restart-backoff 0 and with the default 1s, and for
-   torchrun --standalone.
+   torchrun --standalone. A run still going after 90 s is killed and counted as failed (hung).
 2. a deterministic bug: rank 1 raises the same KeyError after init on every attempt,
    --max-restarts 3; wall time from start to exit and the attempts run (torchrun runs all 4,
    gpuwarden stops after the second).
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "scripts" / "restart_rank.py"
 BIN = Path(sys.executable).parent
+CAP_S = 90.0  # a run still going after this is counted as hung (and its process group killed)
 
 
 def _run(tool: str, mode: str, restarts: int, extra: list[str]) -> tuple[float, Path, int]:
@@ -39,9 +41,15 @@ def _run(tool: str, mode: str, restarts: int, extra: list[str]) -> tuple[float, 
         argv = [str(BIN / "gpuwarden"), "launch", "-n", "2", "--cpu",
                 "--max-restarts", str(restarts), *extra, str(RANK)]
     start = time.monotonic()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          timeout=600, check=False)
-    return time.monotonic() - start, stamps, proc.returncode
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        code = proc.wait(CAP_S)
+    except subprocess.TimeoutExpired:  # torchrun's restarted attempt can hang in its rendezvous
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = -1
+    return time.monotonic() - start, stamps, code
 
 
 def recovery(tool: str, extra: list[str]) -> float | None:
@@ -60,6 +68,8 @@ def deterministic(tool: str, extra: list[str]) -> tuple[float, int, int]:
     attempts may fail in their rendezvous before)."""
     wall, stamps, code = _run(tool, "keyerror", 3, extra)
     assert code != 0
+    if code == -1:
+        wall = float("inf")
     started = {p.name.split("_")[1] for p in stamps.glob("start_*")}
     return wall, len(started), len(list(stamps.glob("failed_*")))
 

@@ -173,3 +173,23 @@ def test_a_gpu_that_showed_a_hardware_fault_is_swapped_for_another(
     visible = outcome.plan.ranks[1].env["CUDA_VISIBLE_DEVICES"].split(",")
     assert faulty.split()[1] not in visible and len(visible) == 2
     assert f"[rank1]: rank 1 done, restart count 1 of 1, gpu {second.label}" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+def test_on_real_gpus_a_sigkilled_nccl_rank_is_restarted_and_the_job_finishes(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL after a restart: the new attempt's communicator on the same (kept) GPUs."""
+    from gpuwarden.inventory.nvml import NvmlBackend
+
+    monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    n = min(2, len(NvmlBackend().read_host().gpus))
+    config = LaunchConfig(target=SCRIPT, args=("kill_once",), nproc=n, gpus=n, grace_s=5.0,
+                          restart_backoff_s=0.5, max_restarts=1, min_free_bytes=1 << 30)
+    report, outcome = run_launch(config)
+    out, err = capsys.readouterr()
+    assert report.exit_code == 0, report.render() + err
+    assert f"attempt 1/2 failed: RANK_FAILED (rank {n - 1}: SIGKILL)" in err
+    for rank in range(n):
+        assert f"[rank{rank}]: rank {rank} done, restart count 1 of 1, sum {n * n}" in out

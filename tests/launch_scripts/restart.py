@@ -1,6 +1,6 @@
 """Failures for --max-restarts, decided by argv[1] and TORCHELASTIC_RESTART_COUNT (torchrun's).
 
-kill_once:       rank 1 SIGKILLs itself after init_process_group on attempt 0; then all finish.
+kill_once:       the last rank SIGKILLs itself after init_process_group on attempt 0; then all finish.
 raise_rank0:     rank 0 (the store's host) raises after an all_reduce on attempt 0; then all finish.
 raise_last:      the last rank (on the last node) does the same.
 keyerror:        the last rank raises the same KeyError at the same line on every attempt, after init.
@@ -29,10 +29,15 @@ if mode == "ecc_once":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-dist.init_process_group("gloo")
-total = torch.ones(1)
+if os.environ.get("GPUWARDEN_DEVICE") == "cuda":  # on real GPUs: NCCL, as torchrun scripts do
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    total = torch.ones(1, device="cuda")
+else:
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
 dist.all_reduce(total)
-if attempt == 0 and mode == "kill_once" and rank == 1:
+if attempt == 0 and mode == "kill_once" and rank == dist.get_world_size() - 1:
     os.kill(os.getpid(), signal.SIGKILL)
 if attempt == 0 and mode == "raise_rank0" and rank == 0:
     raise RuntimeError("lost the batch")
