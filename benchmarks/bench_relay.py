@@ -10,9 +10,11 @@ writes ``[rankN]: ``-prefixed lines. Scenarios (2 ranks each):
 2. 100 writes of 1 MiB without a newline per rank (one 100 MiB "line": relayed in 64 KiB pieces);
 3. one 50 MB line, 1 rank.
 
-Runs alternate so both launchers see the same load; medians are printed with the size of what
-reached the file (gpuwarden's is larger by the prefixes and the newlines that end cut pieces).
-torchrun's walls include its agent's torch import (1.5-2.5 s here), gpuwarden's do not.
+Runs alternate so all see the same load; medians are printed with the size of what reached the
+file (gpuwarden's is larger by the prefixes and the newlines that end cut pieces). torchrun's
+walls include its agent's torch import (1.5-2.5 s on a quiet machine), gpuwarden's do not. The
+"ranks alone" column is the same ranks started directly (``python -u``, as both launchers run
+them), writing to the file with no launcher: the floor both are measured against.
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ BIN = Path(sys.executable).parent
 SCRIPT = Path(__file__).parent / "scripts" / "chatty.py"
 
 
-def run(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and bytes written to stdout."""
+def run(cmd: list[str], copies: int = 1) -> tuple[float, int]:
+    """Wall seconds and bytes written to stdout by ``copies`` concurrent runs of ``cmd``."""
     with tempfile.TemporaryFile() as out:
         start = time.monotonic()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "GPUWARDEN_SIMULATE": os.environ.get(
-                                  "GPUWARDEN_SIMULATE", "")}).returncode
+        procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "RANK": str(i), "GPUWARDEN_SIMULATE":
+                                       os.environ.get("GPUWARDEN_SIMULATE", "")})
+                 for i in range(copies)]
+        codes = [p.wait() for p in procs]
         wall = time.monotonic() - start
-        if code != 0:
-            raise SystemExit(f"{' '.join(cmd)} exited {code}")
+        if any(codes):
+            raise SystemExit(f"{' '.join(cmd)} exited {codes}")
         size = out.seek(0, os.SEEK_END)
     return wall, size
 
@@ -47,16 +51,17 @@ def run(cmd: list[str]) -> tuple[float, int]:
 def pairs(name: str, nproc: int, args: list[str], n: int) -> None:
     ours = [str(BIN / "gpuwarden"), "launch", "--cpu", "-n", str(nproc), str(SCRIPT), *args]
     theirs = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT), *args]
-    walls: dict[str, list[float]] = {"ours": [], "theirs": []}
+    alone = [sys.executable, "-u", str(SCRIPT), *args]
+    walls: dict[str, list[float]] = {"ours": [], "theirs": [], "alone": []}
     sizes = {}
     for _ in range(n):
-        for key, cmd in (("ours", ours), ("theirs", theirs)):
-            wall, size = run(cmd)
+        for key, cmd, copies in (("ours", ours, 1), ("theirs", theirs, 1), ("alone", alone, nproc)):
+            wall, size = run(cmd, copies)
             walls[key].append(wall)
             sizes[key] = size
-    mo, mt = statistics.median(walls["ours"]), statistics.median(walls["theirs"])
+    mo, mt, ma = (statistics.median(walls[k]) for k in ("ours", "theirs", "alone"))
     print(f"| {name} | {mo:.2f} s ({sizes['ours'] / 1e6:.0f} MB out) | {mt:.2f} s "
-          f"({sizes['theirs'] / 1e6:.0f} MB out) | {mo / mt:.2f}x |", flush=True)
+          f"({sizes['theirs'] / 1e6:.0f} MB out) | {mo / mt:.2f}x | {ma:.2f} s |", flush=True)
 
 
 def main() -> None:
@@ -66,8 +71,8 @@ def main() -> None:
     args = ap.parse_args()
     start = time.monotonic()
     print(f"medians of {args.pairs} alternating pairs, stdout to a file\n")
-    print("| scenario | gpuwarden launch | torchrun --standalone | ratio |")
-    print("|---|---|---|---|")
+    print("| scenario | gpuwarden launch | torchrun --standalone | ratio | ranks alone |")
+    print("|---|---|---|---|---|")
     pairs(f"2 ranks × {args.lines:,} lines", 2, ["lines", str(args.lines)], args.pairs)
     pairs("2 ranks × 100 writes of 1 MiB, no newline", 2, ["chunks", "100", str(1 << 20)],
           args.pairs)

@@ -121,7 +121,7 @@ def test_rank_crash_on_node_1_stops_both_nodes(hosts: Hosts, tmp_path: Path) -> 
     (code0, text0, end0), (code1, text1, end1) = results
     assert code1 == 1 and "rank 3 failed first: RuntimeError: rank 3 crashed on purpose" in text1
     assert code0 == 1 and "error[NODE_ABORTED]" in text0, text0
-    assert "rank 3 (node 1" in text0 and "crashed on purpose" in text0
+    assert "rank 3 (node 1" in text0 and "crashed on purpose" in text0, text0
     crashed_at = float(stamp.read_text())
     # both launchers, on both nodes, are gone within grace + 2 s of the crash
     assert end1 - crashed_at < grace_s + 2.0, f"node 1 exited {end1 - crashed_at:.1f} s after the crash"

@@ -260,7 +260,7 @@ def _tell_other_nodes(code: int) -> None:
     rather than at NCCL's watchdog. Only when this rank already holds a store client."""
     from gpuwarden.launch import _store_watch
 
-    if not _store_watch.connected():
+    if not _store_watch.connected(wait_s=2.0):
         return
     env = os.environ
     record: dict[str, Any] = {"rank": int(env.get("RANK", "-1")), "node":

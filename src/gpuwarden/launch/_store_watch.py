@@ -209,8 +209,16 @@ def start_when_joining(env: dict[str, str] | os._Environ[str]) -> None:
         _joining.start()
 
 
-def connected() -> bool:
-    return _watch is not None and _watch.store is not None
+def connected(wait_s: float = 0.0) -> bool:
+    """Whether this rank holds a store client; a rank that fails right after init may wait up
+    to ``wait_s`` for its watch to finish connecting (it is failing anyway)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if _watch is not None and _watch.store is not None:
+            return True
+        if _watch is None or not _watch.is_alive() or time.monotonic() >= deadline:
+            return False  # never reached init, or the connection failed, or too late
+        time.sleep(0.02)
 
 
 def stop() -> None:

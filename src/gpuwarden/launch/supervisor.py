@@ -347,10 +347,14 @@ class Supervisor:
             return
         if self._read_peers(time.monotonic()).abort_sent or not self.peers.reader_connected:
             return  # already told, or the store was never reached: nobody to tell
-        failing = sorted(self._failing | {r.spec.rank for r in self.ranks
-                                          if r.exit is not None and r.exit.failed})
+        # Ranks that failed of their own accord: not those this node stopped (their SIGTERM
+        # deaths are its doing), which would otherwise name the wrong rank to the other nodes.
+        failing = sorted(self._failing | {r.spec.rank for r in self.ranks if r.exit is not None
+                                          and r.exit.failed and not r.exit.stopped_by_launcher})
         if failing:
-            what = f"rank {failing[0]} failed"
+            spec = self.plan.spec(failing[0])
+            err = _read_json(spec.files.error) if spec is not None else None
+            what = f"{err.get('type')}: {err.get('message')}" if err else f"rank {failing[0]} failed"
         elif self._interrupt:
             what = f"gpuwarden received {self._interrupt}"
         else:
