@@ -123,8 +123,15 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    "SIGTERM,SIGINT,SIGHUP,SIGQUIT: each stops the job; SIGUSR1 and SIGUSR2 are "
                    "always passed on and the job goes on, as is any other signal named here)")
     g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-                   metavar="N", help="accepted for torchrun command lines; restarts are not "
-                   "implemented yet: the job runs once (a note says so when N > 0)")
+                   metavar="N", help="restart the whole group up to N times after a failure, "
+                   "as torchrun (TORCHELASTIC_RESTART_COUNT, a fresh rendezvous each attempt, "
+                   "the GPUs kept), but only when the cause can pass: the same exception at the "
+                   "same file:line in the same rank twice in a row ends the job (default 0)")
+    g.add_argument("--restart-on", dest="restart_on", choices=("auto", "always"), default="auto",
+                   help="auto (default): restart only failures that can pass; always: any "
+                   "failure, as torchrun")
+    g.add_argument("--restart-backoff", dest="restart_backoff", default="1s", metavar="DURATION",
+                   help="wait between a failed attempt and the next (default 1s)")
     g.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval",
                    type=float, default=None, metavar="SECONDS",
                    help="how often ranks are checked (default 0.05; a rank's exit is seen at "
@@ -300,6 +307,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         quiet=args.quiet,
         role=args.role,
         max_restarts=args.max_restarts,
+        restart_on=args.restart_on,
+        restart_backoff_s=parse_duration(args.restart_backoff, what="--restart-backoff"),
         monitor_interval_s=args.monitor_interval or 0.05,
         start_method=args.start_method,
         no_python=args.no_python,

@@ -52,9 +52,16 @@ def _client(host: str, port: int, timeout_s: float) -> Any:
     return TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def set_abort(store: Any, record: dict[str, Any]) -> None:
-    """Set the abort key unless another node already did: the first failure is the root cause."""
-    store.compare_set(ABORT_KEY, "", json.dumps(record))
+def set_abort(store: Any, record: dict[str, Any]) -> dict[str, Any] | None:
+    """Set the abort key unless another node already did: the first failure is the root cause.
+    Returns the record the key holds now when it is another's (the rank then failed on an echo
+    of it, and --max-restarts decides from that node's failure)."""
+    now = store.compare_set(ABORT_KEY, "", json.dumps(record))
+    try:
+        held = json.loads(now)
+    except (TypeError, ValueError):
+        return None
+    return held if isinstance(held, dict) and held != record else None
 
 
 class StoreWatch(threading.Thread):
@@ -127,10 +134,13 @@ class StoreWatch(threading.Thread):
         if self.store is None:
             return False
         try:
-            set_abort(self.store, record)
+            first = set_abort(self.store, record)
         except Exception:
             return False
-        self._publish(abort_sent=True)
+        if first is not None and first.get("node") != self.node:
+            self._publish(abort_sent=True, abort=first)
+        else:
+            self._publish(abort_sent=True)
         return True
 
 

@@ -68,6 +68,10 @@ class LaunchConfig:
     source: str = "flags"
     role: str = "default"
     max_restarts: int = 0
+    # --max-restarts' policy (launch/restart.py): "auto" decides from the failure, "always" is
+    # torchrun's; the backoff is the wait between an attempt's end and the next one's start.
+    restart_on: str = "auto"
+    restart_backoff_s: float = 1.0
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     start_method: str = "spawn"
     no_python: bool = False
@@ -120,6 +124,11 @@ def _validate(c: LaunchConfig) -> None:
                          "then sees its GPU as cuda:0, LOCAL_RANK=0)")
     if c.max_restarts < 0:
         raise UsageError(f"--max-restarts {c.max_restarts} is negative", fix="--max-restarts 0")
+    if c.restart_on not in ("auto", "always"):
+        raise UsageError(f"--restart-on {c.restart_on!r} is not 'auto' or 'always'",
+                         fix="--restart-on auto (decide from the failure) or always (torchrun's)")
+    if c.restart_backoff_s < 0:
+        raise UsageError("--restart-backoff is negative", fix="e.g. --restart-backoff 1s")
     if c.monitor_interval_s <= 0:
         raise UsageError("--monitor-interval must be more than 0", fix="e.g. --monitor-interval 0.1")
     if c.start_method not in START_METHODS:

@@ -79,11 +79,13 @@ class LaunchPlan:
     nnodes: int = 1
     node_rank: int = 0
     log_run_dir: str | None = None  # torchrun's <log-dir>/<run id>_<suffix> (--log-dir, -t, -r)
+    attempt: int = 0  # TORCHELASTIC_RESTART_COUNT: 0, then one more per --max-restarts restart
 
     @property
     def attempt_dir(self) -> str | None:
         """Where this attempt's log files go (torchrun's layout), None when none are written."""
-        return os.path.join(self.log_run_dir, "attempt_0") if self.log_run_dir else None
+        return os.path.join(self.log_run_dir, f"attempt_{self.attempt}") if self.log_run_dir \
+            else None
 
     @property
     def world_size(self) -> int:
@@ -113,9 +115,9 @@ def rank_argv(config: LaunchConfig, python: str) -> tuple[str, ...]:
     return (python, "-u", "-m", "gpuwarden.launch._bootstrap", *tail, *config.args)
 
 
-def error_file(log_run_dir: str, local_rank: int) -> str:
-    """TORCHELASTIC_ERROR_FILE in torchrun's layout: ``attempt_0/<local rank>/error.json``."""
-    return os.path.join(log_run_dir, "attempt_0", str(local_rank), "error.json")
+def error_file(log_run_dir: str, local_rank: int, attempt: int = 0) -> str:
+    """TORCHELASTIC_ERROR_FILE in torchrun's layout: ``attempt_<k>/<local rank>/error.json``."""
+    return os.path.join(log_run_dir, f"attempt_{attempt}", str(local_rank), "error.json")
 
 
 def rank_count(config: LaunchConfig, usable_gpus: int | None) -> int:
@@ -152,10 +154,13 @@ def make_plan(
     python: str,
     base_env: Mapping[str, str],
     log_run_dir: str | None = None,
+    attempt: int = 0,
 ) -> LaunchPlan:
     """One RankSpec per rank. ``gpus`` empty: CPU ranks. Otherwise one GPU per rank, or, with
     ``config.share``, ranks spread round-robin over ``gpus``. ``log_run_dir``: torchrun's
-    ``<log-dir>/<run id>_<suffix>`` when ``--log-dir`` is given (error files go under it)."""
+    ``<log-dir>/<run id>_<suffix>`` when ``--log-dir`` is given (error files go under it);
+    ``attempt``: the restart count (--max-restarts), in TORCHELASTIC_RESTART_COUNT and the
+    ``attempt_<k>`` directory of the log layout."""
     local = rank_count(config, len(gpus))
     if gpus and len(gpus) < local and not config.share:
         raise ValueError(f"{local} ranks need {local} GPUs, {len(gpus)} given")  # preflight's job
@@ -172,7 +177,7 @@ def make_plan(
         "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals_to_handle),
@@ -210,7 +215,7 @@ def make_plan(
             # --bind rank is torchrun's --virtual-local-rank: the rank's one GPU is cuda:0
             "LOCAL_RANK": "0" if config.bind == "rank" else str(i),
             "ROLE_RANK": str(rank),
-            "TORCHELASTIC_ERROR_FILE": error_file(log_run_dir or run_dir, i),
+            "TORCHELASTIC_ERROR_FILE": error_file(log_run_dir or run_dir, i, attempt),
             "GPUWARDEN_STATUS_FILE": files.status,
             "GPUWARDEN_ERROR_FILE": files.error,
             "GPUWARDEN_STACK_FILE": files.stacks,
@@ -238,4 +243,4 @@ def make_plan(
                 "NCCL refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
                 "gpuwarden.distributed.init() uses gloo for them")
     return LaunchPlan(config, tuple(ranks), config.master_addr, master_port, run_id, run_dir,
-                      tuple(notes), config.nnodes, config.node_rank, log_run_dir)
+                      tuple(notes), config.nnodes, config.node_rank, log_run_dir, attempt)

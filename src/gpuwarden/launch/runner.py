@@ -1,4 +1,5 @@
-"""One launch end to end: take GPUs → choose the port → plan → supervise → report.
+"""One launch end to end: take GPUs → choose the port → plan → supervise → report
+(with ``--max-restarts``, again per attempt: launch/attempts.py).
 
 The GPUs (a lease, when the lease manager is installed) are held here, in the supervising
 process, for as long as ranks run; ranks never inherit the lease's file descriptors
@@ -15,8 +16,9 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
+from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.plan import make_plan
+from gpuwarden.launch.plan import LaunchPlan, make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
 from gpuwarden.launch.relay import needs_log_files
 from gpuwarden.launch.report import LaunchReport, build_report, stall_report
@@ -47,42 +49,101 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     own_dir = run_dir is None
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     try:
-        # Multi-node: the port was checked by the preflight (node 0: free; others: reachable).
-        # (LaunchConfig refuses --nnodes > 1 without --master-port.)
-        port = config.master_port if config.multinode and config.master_port is not None \
-            else choose_port(config)
         run_id = config.run_id or _run_id(config)
         log_run_dir = _log_run_dir(config, run_id)
-        plan = make_plan(config, taken.gpus, master_port=port, run_id=run_id, run_dir=work,
-                         supervisor_pid=os.getpid(), python=sys.executable, base_env=os.environ,
-                         log_run_dir=log_run_dir)
-        for spec in plan.ranks:
-            # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
-            # torchrun's agent creates attempt_0/<local rank>/ for every rank, so does this
-            os.makedirs(os.path.dirname(spec.env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
-        if argv is not None:  # spawn(): every rank runs this command instead of the target
-            plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
-        notes = [*taken.notes, *plan.notes]
+
+        def run_attempt(attempt: int, gpus: tuple[GPUSnapshot, ...],
+                        notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
+            if config.multinode and attempt > 0:
+                # The restart's rendezvous (--master-port + attempt): node 0 checks it is free,
+                # the others wait (--rdzv-timeout) for node 0's restarted rank 0 to bind it; a
+                # node 0 that ended the job is then named rather than waited for forever.
+                _restart_rendezvous(config, attempt, err)
+            plan = _attempt_plan(config, attempt, gpus, run_id=run_id, work=work,
+                                 log_run_dir=log_run_dir, argv=argv)
+            for note in (*notes, *(plan.notes if attempt == 0 else ())):
+                print(f"gpuwarden: {note}", file=err)
+            return _supervise(plan, stdout, stderr, err)
+
+        notes = [*taken.notes]
         if log_run_dir is not None:
             notes.append(f"log directory: {log_run_dir}")
-        if config.max_restarts:
-            notes.append(f"--max-restarts {config.max_restarts}: restarts are not implemented yet; "
-                         "the job runs once and its first failure ends it")
-        for note in notes:
-            print(f"gpuwarden: {note}", file=err)
-        supervisor = Supervisor(plan, stdout=stdout, stderr=stderr)
+        if not config.max_restarts:
+            return run_attempt(0, taken.gpus, tuple(notes))
+        from gpuwarden.launch.attempts import run_attempts
 
-        def on_stall(stall: Stall) -> None:
-            print(stall_report(supervisor.outcome(stall.detected_at), stall).render()
-                  + "\n  (--keep-waiting: still waiting)", file=err, flush=True)
-
-        supervisor.on_stall = on_stall
-        outcome = supervisor.run()
-        return build_report(outcome), outcome
+        return run_attempts(config, taken.gpus, run_attempt, tuple(notes), err=err)
     finally:
         taken.release()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, ...], *,
+                  run_id: str, work: str, log_run_dir: str | None,
+                  argv: tuple[str, ...] | None) -> LaunchPlan:
+    """Attempt ``attempt``'s plan: its own port (a fresh rendezvous), files and log directory."""
+    plan = make_plan(config, gpus, master_port=attempt_port(config, attempt), run_id=run_id,
+                     run_dir=_attempt_dir(work, attempt), supervisor_pid=os.getpid(),
+                     python=sys.executable, base_env=os.environ, log_run_dir=log_run_dir,
+                     attempt=attempt)
+    for spec in plan.ranks:
+        # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
+        # torchrun's agent creates attempt_<k>/<local rank>/ for every rank, so does this
+        os.makedirs(os.path.dirname(spec.env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
+    if argv is not None:  # spawn(): every rank runs this command instead of the target
+        plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
+    return plan
+
+
+def attempt_port(config: LaunchConfig, attempt: int) -> int:
+    """MASTER_PORT of an attempt. One node: the one given (checked free) or a free one, and a
+    fresh free one for every restart, so no rank connects to the old attempt's store. Several
+    nodes: ``--master-port + attempt``, which every node derives alike (the port was checked
+    by the preflight for attempt 0; LaunchConfig refuses --nnodes > 1 without --master-port)."""
+    if config.multinode and config.master_port is not None:
+        return config.master_port + attempt
+    return choose_port(config if attempt == 0 else replace(config, master_port=None))
+
+
+def _restart_rendezvous(config: LaunchConfig, attempt: int, err: TextIO) -> None:
+    from gpuwarden.errors import RendezvousError
+    from gpuwarden.launch.rendezvous import check_rendezvous
+
+    try:
+        check_rendezvous(replace(config, master_port=attempt_port(config, attempt)),
+                         dict(os.environ), err=err)
+    except RendezvousError as exc:
+        if config.node_rank == 0 or exc.code != "RDZV_CONN_REFUSED":
+            raise
+        raise RendezvousError(
+            f"node 0 did not start attempt {attempt + 1} of {config.max_restarts + 1} within "
+            f"{config.rdzv_timeout_s:g} s (--rdzv-timeout); this node stops too", code=exc.code,
+            why="node 0 ended the job instead of restarting it: its own report says why (the "
+            "same failure twice, no restarts left, or a cause a restart cannot fix)",
+            fix="read node 0's report", evidence=exc.evidence) from None
+
+
+def _attempt_dir(work: str, attempt: int) -> str:
+    """Each attempt's ranks write their progress, error and stack files apart from the last's."""
+    if attempt == 0:
+        return work
+    path = os.path.join(work, f"attempt_{attempt}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _supervise(plan: LaunchPlan, stdout: TextIO | None, stderr: TextIO | None,
+               err: TextIO) -> tuple[LaunchReport, RunOutcome]:
+    supervisor = Supervisor(plan, stdout=stdout, stderr=stderr)
+
+    def on_stall(stall: Stall) -> None:
+        print(stall_report(supervisor.outcome(stall.detected_at), stall).render()
+              + "\n  (--keep-waiting: still waiting)", file=err, flush=True)
+
+    supervisor.on_stall = on_stall
+    outcome = supervisor.run()
+    return build_report(outcome), outcome
 
 
 def _log_run_dir(config: LaunchConfig, run_id: str) -> str | None:

@@ -1,0 +1,115 @@
+"""The attempt loop of ``--max-restarts``: run, diagnose, decide (launch/restart.py), back off,
+run again, on the GPUs leased once for the whole job.
+
+As torchrun, a restart stops and starts the whole group: every rank of the failed attempt has
+ended (the supervisor reaps them all) before the next attempt starts, with
+``TORCHELASTIC_RESTART_COUNT`` one higher, a fresh rendezvous (runner.attempt_port) and its own
+``attempt_<k>`` log directory. One line per failed attempt on stderr says the attempt, the
+cause and the decision. A GPU blamed for the failure (a hardware fault, a GPU that refused a
+CUDA context) is swapped for another GPU leased from the host before the next attempt; the
+blamed GPU stays leased, unused, until the job ends, so no other job on this host is handed it
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
+
+from gpuwarden.errors import GpuwardenError
+from gpuwarden.inventory.snapshot import GPUSnapshot
+from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.launch.report import LaunchReport
+from gpuwarden.launch.restart import Failure, RestartPolicy, decide_restart, failure_of
+from gpuwarden.launch.supervisor import RunOutcome
+
+if TYPE_CHECKING:
+    from gpuwarden.lease.manager import Grant
+
+RunAttempt = Callable[[int, tuple[GPUSnapshot, ...], tuple[str, ...]],
+                      tuple[LaunchReport, RunOutcome]]
+
+
+def run_attempts(config: LaunchConfig, gpus: tuple[GPUSnapshot, ...], run_attempt: RunAttempt,
+                 notes: tuple[str, ...], *, err: TextIO,
+                 sleep: Callable[[float], None] = time.sleep) -> tuple[LaunchReport, RunOutcome]:
+    """Run attempts until one succeeds or :func:`decide_restart` says stop; the last attempt's
+    report, with every earlier attempt's failure in its evidence."""
+    policy = RestartPolicy(config.max_restarts, config.restart_on, config.restart_backoff_s,
+                           config.multinode)
+    total = config.max_restarts + 1
+    history: list[Failure] = []
+    said: list[str] = []  # one evidence line per failed attempt, for the final report
+    swaps = _GPUSwaps(config)
+    try:
+        attempt_notes = notes
+        while True:
+            attempt = len(history)
+            report, outcome = run_attempt(attempt, gpus, attempt_notes)
+            attempt_notes = ()
+            if report.ok:
+                if history:
+                    report.what += f" on attempt {attempt + 1} of {total} (after {len(history)} " \
+                                   f"restart(s): {'; '.join(f.describe() for f in history)})"
+                return report, outcome
+            failure = failure_of(report, outcome)
+            decision = decide_restart(history, failure, policy)
+            line = (f"attempt {attempt + 1}/{total} failed: {failure.describe()}; "
+                    f"{decision.reason}")
+            if decision.restart and decision.exclude_gpus:
+                try:
+                    gpus, swapped = swaps.swap(gpus, decision.exclude_gpus)
+                    line += f"; {swapped}"
+                except GpuwardenError as exc:
+                    line += f"; no GPU to replace the one that failed ({exc.what}), kept it"
+            if decision.restart and policy.backoff_s > 0:
+                line += f" in {policy.backoff_s:g} s"
+            print(f"gpuwarden: {line}", file=err, flush=True)
+            said.append(f"attempt {attempt + 1}/{total}: {failure.describe()}")
+            if not decision.restart:
+                if len(said) > 1:
+                    report.evidence += [f"earlier {s}" for s in said[:-1]]
+                report.evidence.append(f"--max-restarts {config.max_restarts}: {decision.reason}")
+                return report, outcome
+            history.append(failure)
+            try:
+                sleep(policy.backoff_s)
+            except KeyboardInterrupt:  # Ctrl-C between attempts: no rank runs, stop here
+                report.evidence.append("interrupted (SIGINT) before the next attempt")
+                return report, outcome
+    finally:
+        swaps.release()
+
+
+class _GPUSwaps:
+    """GPUs leased during the job to replace blamed ones (released when the job ends)."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.blamed: list[str] = []
+        self._grants: list[Grant] = []
+
+    def swap(self, gpus: tuple[GPUSnapshot, ...], blamed: tuple[str, ...]) -> \
+            tuple[tuple[GPUSnapshot, ...], str]:
+        from gpuwarden.lease import acquire
+        from gpuwarden.select import Constraints
+
+        self.blamed += [u for u in blamed if u not in self.blamed]
+        out = [g for g in gpus if g.uuid in blamed]
+        if not out:
+            return gpus, "its GPU is not this node's"
+        constraints = Constraints(count=len(out), min_free_bytes=self.config.min_free_bytes,
+                                  exclude=tuple(dict.fromkeys([*self.blamed,
+                                                               *(g.uuid for g in gpus)])))
+        grant = acquire(len(out), min_free=self.config.min_free_bytes, constraints=constraints,
+                        label=f"gpuwarden launch {self.config.target} (replacement)")
+        self._grants.append(grant)
+        by_old = {old.uuid: fresh for old, fresh in zip(out, grant.gpus, strict=True)}
+        new = tuple(by_old.get(g.uuid, g) for g in gpus)
+        pairs = ", ".join(f"{old.label} replaced by {by_old[old.uuid].label}" for old in out)
+        return new, f"excluded {pairs} (newly leased)"
+
+    def release(self) -> None:
+        for grant in self._grants:
+            grant.release()
