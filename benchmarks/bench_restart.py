@@ -15,6 +15,7 @@ Times are monotonic stamps the ranks write themselves (one clock for the whole m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "scripts" / "restart_rank.py"
@@ -46,7 +49,13 @@ def _run(tool: str, mode: str, restarts: int, extra: list[str]) -> tuple[float, 
     try:
         code = proc.wait(CAP_S)
     except subprocess.TimeoutExpired:  # torchrun's restarted attempt can hang in its rendezvous
+        # torchrun starts each rank in a session of its own: killing the launcher's group alone
+        # would leave its ranks running, so take the whole tree first.
+        tree = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         proc.wait()
         code = -1
     return time.monotonic() - start, stamps, code
