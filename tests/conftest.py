@@ -90,3 +90,17 @@ def no_leftover_processes() -> Iterator[None]:
         except psutil.NoSuchProcess:
             pass
     assert not left, f"processes left behind: {left}"
+
+
+def real_gpu_count() -> int:
+    """GPUs the real NVML backend reports (gpu-marked tests only: they skip without a GPU)."""
+    from gpuwarden.inventory.nvml import NvmlBackend
+
+    return len(NvmlBackend().read_host().gpus)
+
+
+@pytest.fixture
+def real_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine's own GPUs: no simulated host, no inherited CUDA_VISIBLE_DEVICES."""
+    monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -7,21 +7,10 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.cli import main
+from tests.conftest import real_gpu_count
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftover_processes")]
-
-
-def gpu_count() -> int:
-    from gpuwarden.inventory.nvml import NvmlBackend
-
-    return len(NvmlBackend().read_host().gpus)
-
-
-@pytest.fixture(autouse=True)
-def _real_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("real_host", "no_leftover_processes")]
 
 
 @pytest.mark.timeout(180)
@@ -34,7 +23,7 @@ def test_one_rank_nccl_with_init(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(180)
 def test_set_device_local_rank_works_as_under_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
-    n = min(2, gpu_count())
+    n = min(2, real_gpu_count())
     code = main(["launch", "-n", str(n), "--min-free", "1GiB",
                  str(SCRIPTS / "nccl_set_device.py")])
     out, err = capsys.readouterr()
@@ -70,7 +59,7 @@ def test_torchrun_idioms_land_each_rank_on_its_own_gpu(capsys: pytest.CaptureFix
     every rank on a different GPU (the one gpuwarden leased for it)."""
     import json
 
-    n = min(2, gpu_count())
+    n = min(2, real_gpu_count())
     code = main(["launch", "-n", str(n), "--min-free", "1GiB", str(SCRIPTS / "idioms.py"), idiom])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -82,7 +71,7 @@ def test_torchrun_idioms_land_each_rank_on_its_own_gpu(capsys: pytest.CaptureFix
 
 @pytest.mark.timeout(180)
 def test_more_ranks_than_gpus_refused_and_share_uses_gloo(capsys: pytest.CaptureFixture[str]) -> None:
-    n = gpu_count() + 1
+    n = real_gpu_count() + 1
     code = main(["launch", "-n", str(n), str(SCRIPTS / "init_allreduce.py")])
     out, err = capsys.readouterr()
     assert code == 4 and "[rank" not in out

@@ -9,21 +9,14 @@ import pytest
 
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.runner import launch
+from tests.conftest import real_gpu_count
 
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "nccl_stalls.py")
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftover_processes")]
-
-
-def gpu_count() -> int:
-    from gpuwarden.inventory.nvml import NvmlBackend
-
-    return len(NvmlBackend().read_host().gpus)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("real_host", "no_leftover_processes")]
 
 
 @pytest.fixture(autouse=True)
-def _real_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+def _own_flight_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"):
         monkeypatch.delenv(var, raising=False)  # the user's own settings would win
 
@@ -34,7 +27,7 @@ def _real_host(monkeypatch: pytest.MonkeyPatch) -> None:
     ("mismatch", "ranks wait in different collectives"),
 ])
 def test_nccl_stall_is_named_with_the_flight_recorder(mode: str, words: str) -> None:
-    if gpu_count() < 2:
+    if real_gpu_count() < 2:
         pytest.skip("needs two GPUs")
     config = LaunchConfig(target=SCRIPT, args=(mode,), nproc=2, gpus=2, stall_timeout_s=10.0,
                           grace_s=2.0)
