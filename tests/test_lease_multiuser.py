@@ -453,7 +453,7 @@ def test_a_fifo_as_the_mutex_is_a_clear_error_not_a_hang(shared, mallory):
     assert as_user(mallory, lambda: os.mkfifo(leases / "mutex.lock")) == 0
     with nothing_written_outside(shared, leases):
         code, out = run_wait_3s()
-        assert code == 2 and "mutex.lock is a FIFO owned by " + mallory.name in out, out
+        assert code == 2 and "mutex.lock is a FIFO (named pipe) owned by " + mallory.name in out, out
         code, out, took = gpuwarden("leases")
         assert code == 0 and took < ANSWER_S and "Traceback" not in out, out
 
@@ -472,7 +472,7 @@ def test_fifos_as_slot_or_record_files_block_nothing_else(shared, mallory):
     with nothing_written_outside(shared, leases):
         with lease(1) as g:
             assert g.visible_devices == "0"
-        assert "is a FIFO owned by " + mallory.name in refusal(lambda: acquire(2))
+        assert "is a FIFO (named pipe) owned by " + mallory.name in refusal(lambda: acquire(2))
         code, out = run_wait_3s("--gpus", "1")
         assert code == 0, out
         bad = {c.path.name for c in list_leases().corrupt}

@@ -6,6 +6,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
+from gpuwarden.boundedio import kind_of
 from gpuwarden.errors import UsageError
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
@@ -195,8 +196,7 @@ def check_script(path: str, *, executable: bool = False) -> None:
                          fix=f"name the script inside it{' (' + hint + ')' if os.path.exists(hint) else ''}, "
                          "or run a package with -m PACKAGE")
     if stat.S_ISFIFO(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
-        raise UsageError(f"script {path!r} is {kind}",
+        raise UsageError(f"script {path!r} is {kind_of(st.st_mode)}",
                          why="every rank would open it: each would block on it, or read what "
                          "another rank already consumed", fix=fix)
     if not os.access(path, os.R_OK):

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gpuwarden.boundedio import kind_of
 from gpuwarden.errors import LeaseDirError
 
 LEASE_DIR_ENV = "GPUWARDEN_LEASE_DIR"
@@ -159,15 +160,6 @@ def printable(text: str, limit: int = 300) -> str:
 
 
 # -- the directory -------------------------------------------------------------------------------
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return name
-    return "regular file" if stat.S_ISREG(mode) else "special file"
-
 
 def _trusted_owner(uid: int) -> bool:
     return uid in (0, os.geteuid())
@@ -458,12 +450,11 @@ def open_regular(path: Path, *, owner: int | None = None) -> int:
         raise
     if not stat.S_ISREG(st.st_mode) or (owner is not None and st.st_uid != owner):
         os.close(fd)
-        what = _kind(st.st_mode)
         if stat.S_ISREG(st.st_mode):
             problem = (f"is owned by {_user(st.st_uid)}, not by {_user(owner or 0)} who prepared "
                        "the directory")
         else:
-            problem = f"is a {what} owned by {_user(st.st_uid)}, not a regular file"
+            problem = f"is {kind_of(st.st_mode)} owned by {_user(st.st_uid)}, not a regular file"
         raise UnsafeFileError(path, problem)
     return fd
 

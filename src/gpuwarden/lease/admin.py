@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuwarden.boundedio import kind_of
 from gpuwarden.errors import LeaseDirError, UsageError
 from gpuwarden.lease import _fs
 
@@ -113,7 +114,7 @@ def _open_or_make(path: Path, where: str) -> int:
                                 fix="choose another --dir") from exc
         st = os.lstat(parent / path.name)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise LeaseDirError(f"{where} is a {_fs._kind(st.st_mode)}, not a directory",
+        raise LeaseDirError(f"{where} is {kind_of(st.st_mode)}, not a directory",
                             why="init prepares a real directory, never one reached through a "
                             "link", fix=f"remove {path} (as root), or choose another --dir")
     if st.st_uid != 0:
