@@ -253,6 +253,9 @@ def _finished(code: int) -> None:
     else:
         _set(Phase.FAILED)
         _tell_other_nodes(code)
+        # As after a good run: no store traffic (and no watch starting) while the interpreter
+        # finalizes, where torch's C++ objects abort on a thread still using them.
+        _store_watch.stop()
 
 
 def _tell_other_nodes(code: int) -> None:

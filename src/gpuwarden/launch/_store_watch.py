@@ -145,6 +145,9 @@ class StoreWatch(threading.Thread):
 
 
 _watch: StoreWatch | None = None
+# Held while the watch is started and while stop() ends the joining thread: no watch may start
+# (and open a store connection) after the script has ended and the interpreter finalizes.
+_start_lock = threading.Lock()
 _LOOK_S = 0.1  # how often the joining thread looks at the main thread's frames
 
 
@@ -174,9 +177,12 @@ class _Joining(threading.Thread):
         # one look (the last node to arrive joins at once) is recognised by its process group.
         if not self._until("init_process_group", or_done=_joined):
             return
-        watch = StoreWatch(self.env)
-        _watch = watch
-        watch.start()
+        with _start_lock:
+            if self.quit.is_set():
+                return
+            watch = StoreWatch(self.env)
+            _watch = watch
+            watch.start()
         # The script leaving the process group: rank 0's store is about to go away on purpose.
         if self._until("destroy_process_group"):
             watch.stopping.set()
@@ -228,7 +234,12 @@ def connected(wait_s: float = 0.0) -> bool:
     while True:
         if _watch is not None and _watch.store is not None:
             return True
-        if _watch is None or not _watch.is_alive() or time.monotonic() >= deadline:
+        # The joining thread may not have seen a quick init yet: the group exists, the watch
+        # is a look away.
+        starting = (_watch is None and _joining is not None and _joining.is_alive()
+                    and _joined())
+        if (not starting and (_watch is None or not _watch.is_alive())) \
+                or time.monotonic() >= deadline:
             return False  # never reached init, or the connection failed, or too late
         time.sleep(0.02)
 
@@ -237,7 +248,8 @@ def stop() -> None:
     """The script ends: stop polling first, so that rank 0's store going away on purpose is
     not mistaken for node 0 dying."""
     if _joining is not None:
-        _joining.quit.set()
+        with _start_lock:
+            _joining.quit.set()
     if _watch is not None:
         _watch.stopping.set()
         if _watch is not threading.current_thread():
