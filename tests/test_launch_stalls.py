@@ -89,6 +89,8 @@ def test_rank_leaving_with_exit_0_is_the_root_cause_not_the_peers_echo(
     assert report.code == "RANK_EXITED_EARLY" and report.root_rank == 1, report.render()
     assert report.what.startswith("rank 1 exited with code 0")
     assert report.exit_code == 1 and outcome.stall is None
+    fields = report.to_dict()["fields"]  # the evidence as data, as every launch report has it
+    assert fields["rank"] == 1 and fields["returncode"] == 0 and fields["echo_rank"] == 0
 
 
 @pytest.mark.timeout(120)

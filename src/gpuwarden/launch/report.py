@@ -237,8 +237,13 @@ def _left_early_report(outcome: RunOutcome, root: RankExit, failures: list[RankE
         tb = str(err.get("traceback", "")).rstrip().splitlines()
         details.append((f"traceback of rank {first.rank} (the echo, last lines)",
                         tb[-TRACEBACK_TAIL_LINES:]))
-    return LaunchReport(max(1, shell_exit_code(first.returncode) if not first.killed_by_launcher else 1), "RANK_EXITED_EARLY", what, why, fix,
-                        evidence, details, root.rank)
+    # The job failed (the echo's code, at least 1), though the rank that caused it exited 0.
+    exit_code = 1 if first.killed_by_launcher else max(1, shell_exit_code(first.returncode))
+    fields: dict[str, Any] = {"rank": root.rank, "pid": root.pid,
+                              "device": _device(outcome, root.rank), "returncode": 0,
+                              "after_s": round(after, 3), "echo_rank": first.rank}
+    return LaunchReport(exit_code, "RANK_EXITED_EARLY", what, why, fix, evidence, details,
+                        root.rank, fields)
 
 
 def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
