@@ -440,8 +440,10 @@ def test_a_rank_gets_torchruns_environment_and_argv(tmp_path: Path) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True, env=base, cwd=tmp_path,
                               timeout=90)
         assert done.returncode == 0, done.stderr
-        got = [json.loads(line.split("DUMP ", 1)[1]) for line in done.stdout.splitlines()
-               if "DUMP " in line]
+        # torchrun's ranks share one stdout and `python -u` writes a print's newline apart, so
+        # one rank's dump may run into the other's line: decode each dump where it starts.
+        decoder = json.JSONDecoder()
+        got = [decoder.raw_decode(chunk)[0] for chunk in done.stdout.split("DUMP ")[1:]]
         return {int(d["env"]["RANK"]): d for d in got}
 
     args = ["--standalone", "--nproc-per-node", "2", str(script), "a", "--b"]
