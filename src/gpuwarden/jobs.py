@@ -142,7 +142,10 @@ def scan_processes(proc: str = "/proc") -> list[Job]:
         ticks = process_start_ticks(pid)
         from gpuwarden.procs import short_command
 
-        shown = [os.path.basename(argv[0]), *argv[1:]]
+        # "gpuwarden launch ...", as typed (not "python /venv/bin/gpuwarden launch ...")
+        at = next(i for i, a in enumerate(argv) if os.path.basename(a) in ("gpuwarden",
+                                                                            "gpuwarden.cli"))
+        shown = ["gpuwarden", *argv[at + 1:]]
         out.append(Job(pid, kind, uid, _user(uid), short_command(shown, COMMAND_CHARS),
                        boot + ticks / _TICKS if ticks is not None and boot else None, uid == me))
     return out

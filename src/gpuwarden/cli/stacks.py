@@ -165,7 +165,7 @@ def _group_state(group: dict[str, Any], members: list[dict[str, Any]]) -> str:
     wait = group.get("wait")
     if wait:
         since = [float(m["for_s"]) for m in members if isinstance(m.get("for_s"), (int, float))]
-        held = f", stack unchanged for {max(since):.1f} s" if since else ""
+        held = f", the same at every sample for {max(since):.1f} s" if since else ""
         return f"waiting in {escape_untrusted(str(wait.get('what')), 80)} at " \
                f"{escape_untrusted(str(wait.get('site')), 80)}{held}"
     main = group.get("main") or []

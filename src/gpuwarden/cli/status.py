@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         if is_terminal(sys.stdout):
             from rich.console import Console
 
-            Console(file=sys.stdout).print(to_rich(build_view(doc)))
+            console = Console(file=sys.stdout)
+            console.print(to_rich(build_view(doc), console.width))
         else:
             sys.stdout.write(to_plain(build_view(doc)))
         for text in doc.get("notes", []):
@@ -98,11 +99,11 @@ def _live(args: argparse.Namespace, interval: float) -> int:
 
     console = Console(file=sys.stdout)
     try:
-        with Live(to_rich(build_view(collect(args))), console=console, auto_refresh=False,
-                  screen=False) as live:
+        with Live(to_rich(build_view(collect(args)), console.width), console=console,
+                  auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(to_rich(build_view(collect(args))), refresh=True)
+                live.update(to_rich(build_view(collect(args)), console.width), refresh=True)
     except KeyboardInterrupt:
         return 0
 
@@ -169,7 +170,7 @@ def build_view(doc: dict[str, Any]) -> list[Section]:
         elif job.get("private"):
             state = "(another user's job)"
         elif job.get("note"):
-            state = "(no answer)" if "did not answer" in job["note"] else "-"
+            state = "(no answer)" if "did not answer" in job["note"] else "(no endpoint)"
         head.rows.append([job["id"], escape_untrusted(str(job.get("user")), 32), job.get("kind", "?"),
                           format_duration(job["age_s"]) if isinstance(job.get("age_s"), float) else "-",
                           gpus, _ranks_summary(launch) if launch else "-", state,
@@ -179,7 +180,7 @@ def build_view(doc: dict[str, Any]) -> list[Section]:
             head.marked.add(i)
         if launch is not None:
             sections.append(_job_section(job, launch))
-        elif job.get("mine") and job.get("note"):
+        elif job.get("mine") and "did not answer" in (job.get("note") or ""):
             head.lines.append(("dim", f"{job['id']}: {escape_untrusted(job['note'], 300)}"))
     if not jobs:
         head.lines.append(("dim", "no gpuwarden job runs on this host"))
@@ -193,7 +194,7 @@ def _job_section(job: dict[str, Any], launch: dict[str, Any]) -> Section:
              f"{int(launch.get('attempt') or 0) + 1} of {int(launch.get('max_restarts') or 0) + 1}, "
              f"up {format_duration(float(launch.get('uptime_s') or 0))}, sampled every "
              f"{_num(launch.get('sample_interval_s'), 'g')} s")
-    sec = Section(title, ["RANK", "PID", "GPU", "PHASE", "FOR", "CPU", "GPU MEM", "WHERE"], [])
+    sec = Section(title, ["RANK", "PID", "GPU", "PHASE", "SEEN FOR", "CPU", "GPU MEM", "WHERE"], [])
     straggler = launch.get("straggler") or {}
     stall = launch.get("stall") or {}
     odd = set(stall.get("elsewhere") or []) | ({straggler["rank"]} if straggler else set())
@@ -243,7 +244,7 @@ def to_plain(sections: list[Section]) -> str:
     return "\n".join(out) + "\n"
 
 
-def to_rich(sections: list[Section]) -> Any:
+def to_rich(sections: list[Section], width: int = 120) -> Any:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -251,10 +252,17 @@ def to_rich(sections: list[Section]) -> Any:
     parts: list[Any] = []
     for sec in sections:
         table = Table(title=Text(sec.title), title_justify="left", show_edge=False, pad_edge=False)
-        for col in sec.columns:
-            table.add_column(col)
+        # One line per row: the short columns keep their width, the last one (a command, where
+        # a rank is) gets what is left of the terminal and is cut there.
+        widths = [max(len(c), *(len(r[i]) for r in sec.rows)) if sec.rows else len(c)
+                  for i, c in enumerate(sec.columns)]
+        room = max(12, width - sum(widths[:-1]) - 3 * (len(widths) - 1))
+        for col in sec.columns[:-1]:
+            table.add_column(col, no_wrap=True)
+        table.add_column(sec.columns[-1], no_wrap=True, overflow="ellipsis", max_width=room)
         for n, row in enumerate(sec.rows):
-            table.add_row(*(Text(cell) for cell in row),
+            cells = [*row[:-1], row[-1] if len(row[-1]) <= room else row[-1][:room - 1] + "…"]
+            table.add_row(*(Text(cell) for cell in cells),
                           style="bold yellow" if n in sec.marked else None)
         if sec.rows:
             parts.append(table)

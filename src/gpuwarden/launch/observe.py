@@ -269,6 +269,10 @@ def _flight_records(run_dir: str, wait_s: float) -> dict[int, list[dict[str, Any
     whose ranks made dump pipes); {} elsewhere."""
     from gpuwarden.launch import flight_recorder
 
+    with contextlib.suppress(OSError):  # an earlier answer must not pass for this one
+        for name in os.listdir(run_dir):
+            if name.startswith(flight_recorder.DUMP_PREFIX) and not name.endswith(".pipe"):
+                os.unlink(os.path.join(run_dir, name))
     asked = flight_recorder.request_dumps(run_dir)
     if not asked:
         return {}
@@ -362,6 +366,8 @@ def _merge_other_nodes(answer: dict[str, Any], snap: JobSnapshot, request_id: st
                        deadline: float, all_threads: bool, started: float) -> None:
     nnodes = int(snap.public["nnodes"])
     me = int(snap.public["node_rank"])
+    from gpuwarden.launch.supervisor import _read_json
+
     connected = bool(snap.public.get("peers", {}).get("store_connected"))
     got: dict[str, Any] = {}
     if connected:
@@ -434,15 +440,6 @@ def _frames(value: Any, limit: int) -> list[dict[str, Any]]:
                         "line": f.get("line") if isinstance(f.get("line"), int) else 0,
                         "func": _text(f.get("func")) or "?"})
     return out
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 # ---- grouping (pure) ----------------------------------------------------------------------

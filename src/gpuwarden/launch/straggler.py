@@ -71,13 +71,13 @@ class Straggler:
         """One line: who, by how much, what it does meanwhile."""
         others = ", ".join(map(str, self.waited_by)) or "the other ranks"
         text = (f"rank {self.rank} is the last into collectives: rank(s) {others} waited for it "
-                f"in {self.share:.0%} of {self.ticks} samples over {self.window_s:.0f} s "
-                f"(in {self.waits_in}); it waits in collectives {self.own_wait_share:.0%} of the "
-                f"time, the others {self.others_wait_share:.0%}")
+                f"in {self.waits_in} in {self.share:.0%} of {self.ticks} samples over "
+                f"{self.window_s:.0f} s (it waits in collectives {self.own_wait_share:.0%} of "
+                f"its time, they {self.others_wait_share:.0%})")
         if self.doing:
             text += f"; meanwhile it is {self.doing}"
-            if self.doing_share < 0.999:
-                text += f" ({self.doing_share:.0%} of its samples out)"
+            if self.doing_share < 0.75:
+                text += f" ({self.doing_share:.0%} of its samples outside collectives)"
         if self.cpu_cores is not None:
             text += f", using {self.cpu_cores:.2f} CPU cores ({self.activity})"
         return text
@@ -91,7 +91,7 @@ class Straggler:
         if self.cpu_cores >= BUSY_CPU_CORES:
             return "computing on the CPU"
         if self.cpu_cores < IDLE_CPU_CORES:
-            return "idle: sleeping, I/O, waiting for data or for its GPU"
+            return "idle: sleeping, I/O, or waiting for data or its GPU"
         return "partly idle"
 
     def to_dict(self) -> dict[str, object]:
