@@ -380,9 +380,10 @@ def ask_job(target: Target, request: dict[str, Any], timeout_s: float) -> dict[s
             f"the launch {target.pid} is {owner}'s: its stacks are readable by {owner} only",
             why=f"the kernel refused the connection to its control endpoint ({denied.strerror}: "
             f"{denied.filename}): a directory of {owner}'s with mode 0700",
-            fix=f"ask {owner} to run `gpuwarden stacks {target.pid}` (or root); `gpuwarden "
-            "status` lists the job without its details", fields={"pid": target.pid,
-                                                                 "owner": owner})
+            fix=f"ask {owner} to run `gpuwarden stacks {target.pid}`"
+            + (" (root can too)" if owner != "root" else "")
+            + "; `gpuwarden status` lists the job without its details",
+            fields={"pid": target.pid, "owner": owner})
     raise JobNotFoundError(f"the launch {target.pid} has no control endpoint where gpuwarden "
                            "looks", evidence=[str(p) for p in target.paths],
                            fix="it ended meanwhile, or it runs with another GPUWARDEN_RUNTIME_DIR")
