@@ -52,7 +52,7 @@ def test_stacks_carry_the_flight_recorders_sequence_numbers_and_status_the_gpu_m
             assert records and max(fr["seq"] for fr in records) >= 2, by_rank[rank]
         assert [(g["ranks"], g["odd"]) for g in doc["groups"]] in (
             [([0], False), ([1], True)],)  # the waiting rank is the reference on a tie
-        assert doc["after_s"] < 2.0
+        assert doc["after_s"] < 5.0  # the flight recorder's dumps take up to a second
     finally:
         os.killpg(job.pid, signal.SIGINT)
         job.communicate(timeout=60)
