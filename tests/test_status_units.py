@@ -111,6 +111,22 @@ def test_a_straggler_must_be_consistent_and_cost_the_others_time() -> None:
     assert decide_straggler(views, now_of(views), source_line) is None
 
 
+def test_what_chance_explains_is_not_named() -> None:
+    # two balanced ranks whose steps jitter: the last one is either, 8 times of 11 rank 1
+    last = [1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 1]
+    views = job({0: [SLEEPING if r == 0 else ALL_REDUCE for r in last],
+                 1: [SLEEPING if r == 1 else ALL_REDUCE for r in last]})
+    assert decide_straggler(views, now_of(views), source_line) is None
+    # rank 1 last 8 times in a row: with two ranks, chance still explains it (2 x 2^-8)...
+    eight = job({0: [ALL_REDUCE] * 8, 1: [SLEEPING] * 8})
+    assert decide_straggler(eight, now_of(eight), source_line) is None
+    # ...11 times in a row it does not (2 x 2^-11 < 0.001); among 4 ranks, 6 times suffice
+    eleven = job({0: [ALL_REDUCE] * 11, 1: [SLEEPING] * 11})
+    assert decide_straggler(eleven, now_of(eleven), source_line).rank == 1  # type: ignore[union-attr]
+    six = job({0: [ALL_REDUCE] * 6, 1: [ALL_REDUCE] * 6, 2: [SLEEPING] * 6, 3: [ALL_REDUCE] * 6})
+    assert decide_straggler(six, now_of(six), source_line).rank == 2  # type: ignore[union-attr]
+
+
 def test_too_few_samples_and_startup_say_nothing_yet() -> None:
     few = job({0: [ALL_REDUCE] * 4, 1: [SLEEPING] * 4})
     assert decide_straggler(few, now_of(few), source_line) is None
@@ -135,7 +151,7 @@ def test_a_data_loading_rank_and_a_computing_backward() -> None:
     busy = job({0: [BACKWARD] * 8, 1: [BACKWARD] * 8, 2: [COMPUTING] * 8},
                cpu={0: 1.0, 1: 1.0, 2: 1.0})
     assert decide_straggler(busy, now_of(busy), source_line) is None
-    idle = job({0: [BACKWARD] * 8, 1: [BACKWARD] * 8, 2: [COMPUTING] * 8},
+    idle = job({0: [BACKWARD] * 12, 1: [BACKWARD] * 12, 2: [COMPUTING] * 12},
                cpu={0: 0.01, 1: 0.01, 2: 1.0})
     found = decide_straggler(idle, now_of(idle), source_line)
     assert found is not None and found.rank == 2 and found.activity == "computing on the CPU"

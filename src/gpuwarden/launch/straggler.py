@@ -11,7 +11,11 @@ are the last to enter the collective. A straggler is a rank that is, consistentl
   being waited for (shared among the ranks out) goes to one rank for at least
   :data:`MIN_CONSISTENCY` of the total, and
 - the others lose a share of their time to it worth naming (:data:`MIN_SHARE`), measured on at
-  least :data:`MIN_TICKS` such ticks.
+  least :data:`MIN_TICKS` such ticks,
+- and chance cannot explain it: were the last rank drawn at random among the ranks at every
+  informative tick, one of them would get that much credit with a probability under
+  :data:`MAX_CHANCE` (a binomial tail; two ranks need 11 informative ticks in a row, four
+  need 6).
 
 A balanced job spreads the credit over its ranks (each is last now and then), a job that
 computes most of the time has few informative ticks, and neither names anyone. What the
@@ -26,6 +30,7 @@ below what it can see. On GPUs, a rank whose GPU is slow waits for it in ``.item
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ WINDOW_S = 60.0  # only the last minute counts: a straggler that recovered stops
 MIN_TICKS = 6  # informative ticks (most ranks waiting, a few out) needed before naming anyone
 MIN_SHARE = 0.2  # the others wait for it in at least this share of the window's ticks
 MIN_CONSISTENCY = 0.7  # of the credit for being waited for, this much goes to the one rank
+MAX_CHANCE = 1e-3  # how likely it may be that a balanced job's random last ranks look like this
 BUSY_CPU_CORES = 0.5  # a straggler using more than this while out computes on the CPU
 _WAIT_KINDS = ("collective", "wait", "backward")
 
@@ -160,7 +166,8 @@ def decide_straggler(views: Mapping[int, RankView], now: float, source_line: Sou
     total_credit = sum(credit.values())
     share = best / len(used)
     consistency = best / total_credit
-    if share < MIN_SHARE or consistency < MIN_CONSISTENCY:
+    if share < MIN_SHARE or consistency < MIN_CONSISTENCY or \
+            chance(informative, int(best), len(known_ticks)) > MAX_CHANCE:
         return None
     others = [r for r in known_ticks if r != rank]
     others_wait = (sum(waiting_ticks[r] / known_ticks[r] for r in others) / len(others)
@@ -173,6 +180,16 @@ def decide_straggler(views: Mapping[int, RankView], now: float, source_line: Sou
         own_wait_share=waiting_ticks[rank] / known_ticks[rank],
         others_wait_share=others_wait, doing=doing, doing_share=doing_share,
         cpu_cores=_cpu_cores(views[rank].samples, now - window_s), data_loading=loading)
+
+
+def chance(n: int, k: int, ranks: int) -> float:
+    """Bound on the probability that, with the last rank drawn at random among ``ranks`` at each
+    of ``n`` ticks, some rank is last at least ``k`` times (union bound over the ranks)."""
+    if ranks < 2:
+        return 1.0
+    p = 1 / ranks
+    tail = sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    return min(1.0, ranks * tail)
 
 
 def _idle(prev: Sample | None, s: Sample) -> bool:
