@@ -22,6 +22,9 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     os.environ["GPUWARDEN_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpuwarden-test-leases-")
+    # Nor the host's job registry: launches started by tests register their control endpoint
+    # here (0700, this run's own), so `status`/`stacks` in tests see only this run's jobs.
+    os.environ["GPUWARDEN_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="gpuwarden-test-run-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

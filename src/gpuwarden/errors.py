@@ -26,10 +26,13 @@ Tree (exit code in brackets)::
     │   │   └── DaskWorkerDiedError  the same for a `gpuwarden worker` Dask worker (host, GPU)
     │   ├── SchedulerUnreachableError  `gpuwarden worker`: the Dask scheduler does not answer
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
-    └── LaunchError [1]           a launch cannot start (preflight), or a job failed
-        ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
-        └── RendezvousError       multi-node preflight: MASTER_ADDR/PORT unusable from this node
-                                  (RDZV_DNS, RDZV_CONNECT_TIMEOUT, RDZV_CONN_REFUSED, ...)
+    ├── LaunchError [1]           a launch cannot start (preflight), or a job failed
+    │   ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
+    │   └── RendezvousError       multi-node preflight: MASTER_ADDR/PORT unusable from this node
+    │                             (RDZV_DNS, RDZV_CONNECT_TIMEOUT, RDZV_CONN_REFUSED, ...)
+    └── JobQueryError [1]         `status`/`stacks` could not ask a running job (JOB_UNREACHABLE)
+        ├── JobNotFoundError [2]  no such job of this user's on this host (JOB_NOT_FOUND)
+        └── JobDeniedError        the job is another user's: the kernel refused (JOB_DENIED)
 
 Low-level errors (pynvml, OSError, json) are mapped at the boundary and chained
 with ``raise ... from``, so the original is kept as ``__cause__``.
@@ -68,6 +71,14 @@ GPUWARDEN_CODES = {
     "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
     "NODE_ABORTED": "another node of a multi-node job failed (or its rendezvous store went away), "
     "so this node stopped its ranks",
+    "RANK_STRAGGLER": "the other ranks keep waiting in collectives for one rank, the last to "
+    "enter them (a note while the job runs, not a failure)",
+    "JOB_NOT_FOUND": "`gpuwarden stacks`/`status` was given a job that is not a running gpuwarden "
+    "launch of this user's on this host",
+    "JOB_DENIED": "the job belongs to another user: the kernel refused the connection to its "
+    "control endpoint (a 0700 directory)",
+    "JOB_UNREACHABLE": "a running launch did not answer `gpuwarden status`/`stacks` in time (its "
+    "launcher is busy, stopped, or ending)",
 }
 
 EXIT_OK = 0
@@ -337,3 +348,29 @@ class RendezvousError(LaunchError):
     """
 
     code = "RDZV_CONN_REFUSED"
+
+
+class JobQueryError(GpuwardenError):
+    """``gpuwarden status``/``stacks`` could not get an answer from a running launch.
+
+    Usual causes: the launcher is stopped (Ctrl-Z, SIGSTOP) or ending, or its machine is so
+    loaded that it did not answer within the timeout.
+    """
+
+    code = "JOB_UNREACHABLE"
+
+
+class JobNotFoundError(JobQueryError):
+    """No running gpuwarden launch of this user's matches the job asked for (a pid, or a run
+    id prefix), or none runs at all."""
+
+    code = "JOB_NOT_FOUND"
+    exit_code = EXIT_USAGE
+
+
+class JobDeniedError(JobQueryError):
+    """The job is another user's: its control endpoint lives in that user's 0700 runtime
+    directory and the kernel refused the connection (EACCES). Only its owner (or root) can
+    read its ranks' stacks; ``gpuwarden status`` lists it without them."""
+
+    code = "JOB_DENIED"

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
 
 # Subcommand modules, in the order `gpuwarden --help` lists them.
-COMMANDS = ("ls", "select", "launch", "run", "leases", "worker", "doctor", "explain")
+COMMANDS = ("ls", "select", "launch", "status", "stacks", "run", "leases", "worker", "doctor",
+            "explain")
 
 
 def build_parser() -> argparse.ArgumentParser:

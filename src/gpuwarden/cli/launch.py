@@ -113,6 +113,9 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    "data while the others wait at a barrier is legitimate)")
     g.add_argument("--keep-waiting", action="store_true",
                    help="after a stall report, keep the job running instead of stopping it")
+    g.add_argument("--no-straggler-note", dest="straggler_note", action="store_false",
+                   help="do not print the one line naming a rank the others keep waiting for "
+                   "(`gpuwarden status` still shows it)")
     g.add_argument("--grace", "--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout",
                    metavar="DURATION", default=None,
                    help="time between the stop signal and SIGKILL when stopping ranks (default "
@@ -294,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,
         stall_timeout_s=parse_duration(args.stall_timeout, what="--stall-timeout"),
         keep_waiting=args.keep_waiting,
+        straggler_note=args.straggler_note,
         grace_s=_grace(args.shutdown_timeout),
         master_port=master_port,
         master_addr=master_addr or DEFAULT_MASTER_ADDR,

@@ -10,7 +10,8 @@ It changes nothing of torch (no import hook, no wrapped function: the script see
 - starts a sampling thread (a bare ``_thread``, idle in a read of a per-rank FIFO): for each
   byte the supervisor writes there, it writes every thread's Python stack
   (``sys._current_frames``, under the GIL, so always consistent) to a per-rank file. This is
-  how the supervisor sees where each rank is (``launch/sampler.py``, ``launch/stall.py``);
+  how the supervisor sees where each rank is (``launch/sampler.py``, ``launch/stall.py``); a
+  ``q`` byte (``gpuwarden stacks`` asked) is answered the same way in a file of its own;
 - arms faulthandler: a dump on fatal signals (SIGSEGV, SIGABRT, SIGBUS...) to a file, and an
   all-thread dump on :data:`STACK_SIGNAL`, the last resort when the sampling thread cannot get
   the GIL; only the sampling thread accepts that signal, so no system call of the script or of
@@ -43,7 +44,7 @@ import time
 import types
 from typing import Any
 
-from gpuwarden.launch.status import STACK_SIGNAL, Phase, StatusWriter, sample_paths
+from gpuwarden.launch.status import STACK_SIGNAL, Phase, StatusWriter, query_path, sample_paths
 from gpuwarden.procs import die_with_parent
 
 # threading is imported above, in the main thread, on purpose: imported first by the sampling
@@ -76,7 +77,8 @@ def _arm(env: os._Environ[str] | dict[str, str]) -> None:
         stacks = open(env["GPUWARDEN_STACK_FILE"], "a", encoding="utf-8")  # noqa: SIM115
         _keep_alive.append(stacks)
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
-        _start_sampling_thread(*sample_paths(env["GPUWARDEN_STACK_FILE"]))
+        _start_sampling_thread(*sample_paths(env["GPUWARDEN_STACK_FILE"]),
+                               query_path(env["GPUWARDEN_STACK_FILE"]))
     if env.get("GPUWARDEN_STATUS_FILE"):
         _status = StatusWriter(env["GPUWARDEN_STATUS_FILE"])
     if env.get("GPUWARDEN_PEERS_FILE"):
@@ -86,24 +88,44 @@ def _arm(env: os._Environ[str] | dict[str, str]) -> None:
     _set(Phase.STARTED)  # only now may the supervisor send the stack signal
 
 
+# A dump stays small whatever the script does: a deep recursion keeps its innermost frames and
+# the outermost ones (where the script called in from), thousands of threads the first ones.
+MAX_DUMP_THREADS = 256
+MAX_DUMP_FRAMES = 256
+_OUTERMOST_KEPT = 32
+
+
 def format_stacks(frames: dict[int, types.FrameType], skip: int) -> str:
     """Every thread's stack in faulthandler's format (innermost first), the main thread first."""
     main = threading.main_thread().ident
     out = []
-    for ident in sorted(frames, key=lambda i: i != main):
+    for ident in sorted(frames, key=lambda i: i != main)[:MAX_DUMP_THREADS + 1]:
         if ident == skip:
             continue
         out.append(f"Thread 0x{ident:016x} (most recent call first):")
+        lines = []
         frame: types.FrameType | None = frames[ident]
         while frame is not None:
             code = frame.f_code
-            out.append(f'  File "{code.co_filename}", line {frame.f_lineno or 0} in {code.co_name}')
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno or 0} in {code.co_name}')
             frame = frame.f_back
+        if len(lines) > MAX_DUMP_FRAMES:
+            cut = len(lines) - MAX_DUMP_FRAMES
+            lines = [*lines[:MAX_DUMP_FRAMES - _OUTERMOST_KEPT], f"  ... {cut} frames left out",
+                     *lines[-_OUTERMOST_KEPT:]]
+        out += lines
         out.append("")
     return "\n".join(out)
 
 
-def _sampling_loop(request_fifo: str, sample_file: str) -> None:
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _sampling_loop(request_fifo: str, sample_file: str, query_file: str) -> None:
     import _thread
 
     me = _thread.get_ident()
@@ -112,20 +134,23 @@ def _sampling_loop(request_fifo: str, sample_file: str) -> None:
         fd = os.open(request_fifo, os.O_RDWR)
     except OSError:
         return  # no FIFO (run by hand): no sampling
-    tmp = f"{sample_file}.tmp"
     while True:
         try:
-            if not os.read(fd, 64):
+            asked = os.read(fd, 64)
+            if not asked:
                 return
+            # One look answers every byte read at once: the supervisor's samples ("s") and
+            # someone's question ("q", `gpuwarden stacks`), each in its own file.
             text = format_stacks(sys._current_frames(), me)
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, sample_file)
+            if asked.strip(b"q"):
+                _write(sample_file, text)
+            if b"q" in asked:
+                _write(query_file, text)
         except OSError:
             return
 
 
-def _start_sampling_thread(request_fifo: str, sample_file: str) -> None:
+def _start_sampling_thread(request_fifo: str, sample_file: str, query_file: str) -> None:
     """The sampling thread also is the only thread that accepts the stack signal: it is started
     first (a thread inherits its creator's signal mask), then the signal is blocked in the main
     thread, so every thread the script starts has it blocked too (a signal landing on the
@@ -134,7 +159,7 @@ def _start_sampling_thread(request_fifo: str, sample_file: str) -> None:
     ``_thread`` thread: not in ``threading.enumerate()``, never joined at exit."""
     import _thread
 
-    _thread.start_new_thread(_sampling_loop, (request_fifo, sample_file))
+    _thread.start_new_thread(_sampling_loop, (request_fifo, sample_file, query_file))
     signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
 
 

@@ -17,7 +17,8 @@ thread's keys live under ``gpuwarden/``, beside the process group's own prefixed
   ``gpuwarden/abort``, which a node whose rank failed sets (first writer wins, compare_set);
   a lost connection (node 0 gone) is reported too;
 - what it sees goes to ``GPUWARDEN_PEERS_FILE`` (JSON, replaced atomically), which the node's
-  supervisor reads with its progress records. The supervisor never imports torch.
+  supervisor reads with its progress records. The supervisor never imports torch;
+- the same poll relays ``gpuwarden stacks`` between nodes (``launch/_store_stacks.py``).
 
 ``python -m gpuwarden.launch._store_watch --abort HOST PORT JSON`` sets the abort key from a short-lived
 process: the supervisor uses it when its rank died without saying so itself (a signal).
@@ -73,6 +74,7 @@ class StoreWatch(threading.Thread):
         self.world = int(env["WORLD_SIZE"])
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.node = int(env.get("GPUWARDEN_NODE_RANK", "0"))
+        self.nnodes = int(env.get("GPUWARDEN_NNODES", "1"))
         self.peers_file = env["GPUWARDEN_PEERS_FILE"]
         self.timeout_s = float(env.get("GPUWARDEN_RDZV_TIMEOUT", "300"))
         self.store: Any = None
@@ -105,8 +107,11 @@ class StoreWatch(threading.Thread):
         self._watch()
 
     def _watch(self) -> None:
+        from gpuwarden.launch._store_stacks import StackRelay
+
         arrived: dict[str, Any] = {}
         count = 0
+        relay = StackRelay(self.peers_file, self.node, self.nnodes)
         while True:
             try:
                 if self.store.check([ABORT_KEY]):
@@ -121,6 +126,7 @@ class StoreWatch(threading.Thread):
                             if str(r) not in arrived and self.store.check([rank_key(r)]):
                                 arrived[str(r)] = json.loads(self.store.get(rank_key(r)).decode())
                         self._publish(arrived=dict(arrived))
+                relay.poll(self.store)
             except Exception as exc:  # DistNetworkError: the store (rank 0's process) is gone
                 if not self.stopping.is_set():
                     self._publish(store_lost=f"{type(exc).__name__}: {str(exc).splitlines()[0]}",

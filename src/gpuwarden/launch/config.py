@@ -55,6 +55,7 @@ class LaunchConfig:
     wait_s: float | None = None
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     keep_waiting: bool = False
+    straggler_note: bool = True  # one stderr line when a straggler persists (launch/straggler.py)
     grace_s: float = DEFAULT_GRACE_S
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None

@@ -79,9 +79,9 @@ def read_dumps(run_dir: str) -> dict[int, dict[str, Any]]:
     return out
 
 
-def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
-    """Per process group: each rank's last collective, and who did not join the furthest one."""
-    # group -> rank -> (seq, name, state) of the rank's last collective in that group
+def last_collectives(dumps: Mapping[int, Mapping[str, Any]]
+                     ) -> dict[str, dict[int, tuple[int, str, str]]]:
+    """process group -> rank -> (sequence number, name, state) of the rank's last collective."""
     last: dict[str, dict[int, tuple[int, str, str]]] = {}
     for rank, dump in dumps.items():
         entries = dump.get("entries")
@@ -98,6 +98,12 @@ def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
             seen = last.setdefault(group, {}).get(rank)
             if seen is None or seq >= seen[0]:
                 last[group][rank] = (seq, str(e.get("profiling_name", "?")), str(e.get("state", "?")))
+    return last
+
+
+def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """Per process group: each rank's last collective, and who did not join the furthest one."""
+    last = last_collectives(dumps)
     lines: list[str] = []
     for group, ranks in sorted(last.items()):
         top = max(seq for seq, _, _ in ranks.values())

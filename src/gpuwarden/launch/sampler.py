@@ -57,7 +57,7 @@ def make_request_fifo(stack_file: str) -> None:
     os.mkfifo(fifo, 0o600)
 
 
-def _read(path: str) -> str:
+def read_dump(path: str) -> str:
     try:
         with open(path, "rb") as f:
             return f.read(MAX_DUMP_BYTES).decode("utf-8", errors="replace")
@@ -92,7 +92,7 @@ class RankSampler:
         if stamp is None or stamp == self._seen:
             return ""
         self._seen = stamp
-        dump = _read(self.sample_file)
+        dump = read_dump(self.sample_file)
         if main_thread(parse_dump(dump)):
             self.last_dump = dump
         return dump
@@ -147,7 +147,7 @@ class RankSampler:
             if now_size > 0 and now_size == size:
                 break  # written, and nothing more since the last look
             size = now_size
-        dump = _read(self.stack_file)
+        dump = read_dump(self.stack_file)
         return dump if main_thread(parse_dump(dump)) else ""
 
     def close(self) -> None:

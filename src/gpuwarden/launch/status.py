@@ -29,6 +29,12 @@ def sample_paths(stack_file: str) -> tuple[str, str]:
     return f"{stack_file}.request", f"{stack_file}.sample"
 
 
+def query_path(stack_file: str) -> str:
+    """Where the sampling thread answers a ``q`` byte (someone asked, ``gpuwarden stacks``):
+    apart from the sample file, so an answer never takes the place of the supervisor's sample."""
+    return f"{stack_file}.query"
+
+
 # The signal a supervisor sends to ask a rank for an all-thread Python stack dump (faulthandler),
 # as a last resort only: when the rank's sampling thread cannot answer (a C extension holding
 # the GIL). faulthandler reads the other threads' frames without the GIL, which can crash a

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
-from gpuwarden.launch import flight_recorder
+from gpuwarden.launch import control, flight_recorder
 from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
 from gpuwarden.launch.pcontext import ProcessContext
 from gpuwarden.launch.placement import pids_of, render_warning, watch_for
@@ -45,6 +45,7 @@ from gpuwarden.launch.stall import (
     main_thread_frames,
 )
 from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_paths
+from gpuwarden.launch.straggler import Straggler, decide_straggler
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
@@ -54,6 +55,7 @@ STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already endin
 STORE_LOST_GRACE_S = 3.0
 ABORT_SELF_WAIT_S = 1.0  # a failing rank sets the abort key itself within milliseconds
 ABORT_HELPER_WAIT_S = 8.0  # the helper imports torch (1-3 s) and connects with a 5 s bound
+STRAGGLER_PERSIST_S = 4.0  # a straggler named this long (3 samples or more) gets its one line
 
 
 @dataclass
@@ -162,6 +164,13 @@ class Supervisor:
         self._peer_mtimes: dict[int, float] = {}
         self._peer_states: dict[int, dict[str, Any]] = {}
         self._started = 0.0  # monotonic, set by run()
+        # `gpuwarden status` / `stacks` (launch/control.py): their requests run in this loop.
+        self.calls = control.LoopCalls()
+        self._sel.register(self.calls.fileno(), selectors.EVENT_READ, self.calls)
+        self._control: control.ControlServer | None = None
+        self.straggler: Straggler | None = None  # the latest verdict (launch/straggler.py)
+        self._straggler_since: float | None = None
+        self._straggler_said = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -169,6 +178,7 @@ class Supervisor:
         self._started = time.monotonic()
         self._install_signals()
         try:
+            self._control = control.serve(self)
             self._ctx = ProcessContext()
             for spec in self.plan.ranks:
                 self._start(spec)
@@ -210,6 +220,7 @@ class Supervisor:
         while True:
             self._pump(self.poll_interval_s)
             self._reap_exited()
+            self.calls.run_pending()
             now = time.monotonic()
             live = [r for r in self.ranks if r.exit is None]
             if not live:
@@ -237,6 +248,7 @@ class Supervisor:
                         self._check_peers(now)
                     if self._stop_began is None:
                         self._check_stall(now)
+                        self._check_straggler(now)
                     self._check_placement()
             else:
                 # Two independent steps of a stop: telling the other nodes must never hold
@@ -418,6 +430,9 @@ class Supervisor:
                 r.sampler.close()
             r.status.close()
         self.relay.close()
+        if self._control is not None:
+            self._control.close()
+        self.calls.close()
 
     # ---- output ----------------------------------------------------------------------------
 
@@ -429,6 +444,9 @@ class Supervisor:
                 with contextlib.suppress(OSError):
                     assert self._wake_r is not None
                     self._wake_r.recv(4096)
+                continue
+            if key.data is self.calls:  # a status/stacks request: run_pending() follows
+                self.calls.clear_wakeups()
                 continue
             rank, stream = key.data
             got = True
@@ -510,6 +528,20 @@ class Supervisor:
                 self.on_stall(self._stall)
         else:
             self._begin_stop()
+
+    def _check_straggler(self, now: float) -> None:
+        """Name a rank the others keep waiting for (status shows it at once), and say it once
+        on stderr when it persists (--no-straggler-note: never)."""
+        found = decide_straggler(self.views(), now, _source_line)
+        if found is None or self.straggler is None or found.rank != self.straggler.rank:
+            self._straggler_since = now if found is not None else None
+        self.straggler = found
+        if found is not None and not self._straggler_said and self.config.straggler_note \
+                and self._straggler_since is not None \
+                and now - self._straggler_since >= STRAGGLER_PERSIST_S:
+            self._straggler_said = True
+            print(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}", file=self.err,
+                  flush=True)
 
     def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
         """A fresh dump of each rank's script thread (its latest sample when none comes)."""
