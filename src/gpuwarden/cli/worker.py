@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             for line in describe(w):
                 note(f"  {line}")
 
-        why = asyncio.run(_serve_until_signal(workers, serve, started))
+        why = asyncio.run(_serve_until_signal(workers, serve, started, leased.release))
     finally:
         leased.release()
     released = f", {what} released" if leased.gpus else ""
@@ -137,6 +137,9 @@ def quiet_dask_logs(level: int) -> None:
         if name == "distributed" or name.startswith("distributed."):
             logging.getLogger(name).setLevel(level)
     logging.getLogger("gpuwarden.dask").setLevel(logging.INFO)
+    from gpuwarden.dask._logs import shorten_connection_errors
+
+    shorten_connection_errors()
 
 
 def _duration(text: str, flag: str) -> float:
@@ -154,9 +157,14 @@ def _silence_dask_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
-async def _serve_until_signal(workers: Any, serve: Any, started: Any) -> str:
+async def _serve_until_signal(workers: Any, serve: Any, started: Any, release: Any) -> str:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    return str(await serve(workers, stop, started, on_wait=note, on_gone=_silence_dask_logs))
+    try:
+        return str(await serve(workers, stop, started, on_wait=note, on_gone=_silence_dask_logs))
+    finally:
+        # The workers' processes are gone (serve's close kills and joins them): the GPUs go
+        # back now, not after asyncio.run has waited for Dask's own tasks to wind down.
+        release()

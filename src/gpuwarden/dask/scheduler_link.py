@@ -6,8 +6,8 @@ killed is restarted by its nanny, and a restarted worker whose scheduler then va
 its whole ``death_timeout`` (30 s) trying to connect, while its nanny cannot be closed before
 that worker process has started (``WorkerProcess.kill`` waits for it); the GPUs stayed leased
 all that time. So the supervisor keeps a connection of its own and asks for the scheduler's
-identity every :data:`PING_S`; a closed connection, confirmed by a refused reconnection within
-:data:`CONFIRM_S`, is the scheduler's loss (:func:`watch_scheduler`), and the workers are then
+identity every :data:`PING_S`; a closed connection, confirmed by a TCP connection refused (or
+not accepted within :data:`CONFIRM_S`), is the scheduler's loss (:func:`watch_scheduler`), and the workers are then
 stopped within a bound (``workers.py``).
 
 First contact (:func:`first_contact`) does what can be checked before any worker starts, each
@@ -164,6 +164,7 @@ async def watch_scheduler(address: str, identity_s: float = PING_S) -> None:
     from distributed.comm import connect
     from distributed.core import send_recv
 
+    endpoint = _tcp_endpoint(address)
     while True:
         try:
             comm = await connect(address, timeout=CONFIRM_S)
@@ -176,7 +177,29 @@ async def watch_scheduler(address: str, identity_s: float = PING_S) -> None:
                 await asyncio.sleep(identity_s)
         except asyncio.TimeoutError:
             continue  # slow, not gone: ask again on a fresh connection
-        except OSError:  # CommClosedError is one: closed under us, confirm with a new one
-            continue
+        except OSError:  # CommClosedError is one: closed under us
+            if endpoint is not None and not await _accepts(*endpoint):
+                return  # and refused (or silent) at once: gone, without Dask's retries
         finally:
             comm.abort()
+
+
+def _tcp_endpoint(address: str) -> tuple[str, int] | None:
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    scheme, loc = parse_address(address)
+    if scheme not in ("tcp", "tls"):
+        return None
+    host, port = parse_host_port(loc)
+    return host.strip("[]"), port
+
+
+async def _accepts(host: str, port: int) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` within :data:`CONFIRM_S`
+    (closed at once, before any handshake: the scheduler logs that at debug level only)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONFIRM_S)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True

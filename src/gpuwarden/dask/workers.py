@@ -227,7 +227,9 @@ class GPUWorkers:
         when the scheduler is gone) is killed through its process object and joined.
         ``scheduler_gone``: the nannies tell the scheduler nothing more."""
         self._closing = True
-        processes = [p for p in (_process_of(n) for n in self.nannies) if p is not None]
+        # Each nanny's WorkerProcess, taken now (Nanny.close forgets it): its current process
+        # is read after the close, as a restart may have replaced the one there is now.
+        handles = [n.process for n in self.nannies if getattr(n, "process", None) is not None]
         for n in self.nannies:
             n.scheduler_gone = n.scheduler_gone or scheduler_gone
         closing = asyncio.gather(*(n.close(timeout=timeout_s) for n in self.nannies),
@@ -236,19 +238,17 @@ class GPUWorkers:
             await asyncio.wait_for(asyncio.shield(closing), timeout_s + 0.5)
         except asyncio.TimeoutError:
             pass  # a nanny waits for a worker that is still starting: killed below
-        for process in processes:
-            await _kill_and_join(process, timeout_s)
+        for _ in range(2):  # a restart under way may replace a process once more
+            for handle in handles:
+                await _kill_and_join(getattr(handle, "process", None), timeout_s)
         shutil.rmtree(self._records, ignore_errors=True)
 
 
-def _process_of(nanny: Any) -> Any:
-    """The ``AsyncProcess`` of a nanny's worker (distributed's own handle on it), or None."""
-    return getattr(getattr(nanny, "process", None), "process", None)
-
-
 async def _kill_and_join(process: Any, timeout_s: float) -> None:
-    """SIGKILL a worker process that is still alive, through distributed's handle on it (which
-    signals only a child it has not reaped), and wait for it."""
+    """SIGKILL a worker process that is still alive, through distributed's ``AsyncProcess``
+    handle on it (which signals only a child it has not reaped), and wait for it."""
+    if process is None:
+        return
     with contextlib.suppress(Exception):  # closed handle, already gone: nothing to kill
         if process.is_alive():
             await asyncio.wait_for(process.kill(), timeout_s)
