@@ -88,14 +88,20 @@ def installed_recorder_names() -> RecorderNames:
     except (ImportError, ValueError):
         spec = None
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    for root in roots:
+    return recorder_names_in(roots) or names_for(_torch_version() >= (2, 8))
+
+
+def recorder_names_in(torch_roots: list[str]) -> RecorderNames | None:
+    """The names a torch installed at one of ``torch_roots`` reads, from its headers (None
+    when it has none: a stripped install)."""
+    for root in torch_roots:
         c10d = os.path.join(root, *_C10D_HEADERS)
         recorder = _header(os.path.join(c10d, "FlightRecorder.hpp"))
         nccl = _header(os.path.join(c10d, "ProcessGroupNCCL.hpp"))
         if recorder is not None or nccl is not None:
             return names_for('"TORCH_FR_BUFFER_SIZE"' in (recorder or ""),
                              '"TORCH_FR_DEBUG_INFO_PIPE_FILE"' in (nccl or ""))
-    return names_for(_torch_version() >= (2, 8))
+    return None
 
 
 def _header(path: str) -> str | None:
