@@ -178,7 +178,7 @@ def _loss_round(i: int, upstream: tuple[str, int], client: Client, leases: Path,
     proc = _worker(proxy.address, log, leases, "--gpus", "1", "--name", f"r{i}",
                    DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD="fork")
     try:
-        _wait_for(log, "Dask worker(s) for", proc)
+        _wait_for(log, f"  r{i}/GPU", proc)  # the line naming the worker, after the header
         name = next(line.split(":")[0].strip() for line in log.read_text().splitlines()
                     if line.startswith(f"  r{i}/"))
         client.submit(_suicide, workers=[name], pure=False)

@@ -134,27 +134,30 @@ def test_torch_distributed_breakpoint_stops_the_rank_it_names(tmp_path: Path,
         assert term.finish() == 0, term.out.decode(errors="replace")
 
 
-def _ttys(tmp_path: Path, argv: list[str], env: dict[str, str], name: str) -> dict[int, list[bool]]:
-    out = tmp_path / name
-    out.mkdir()
-    with Terminal([*argv, SCRIPT, "tty", str(out)], env, tmp_path) as term:
-        assert term.finish(120) == 0, term.out.decode(errors="replace")
-    return {int(p.suffix[1:]): json.loads(p.read_text()) for p in out.glob("tty.*")}
-
-
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("flags", [[], ["--tee", "1", "--local-ranks-filter", "0"]],
-                         ids=["plain", "tee-and-filter"])
-def test_isatty_in_each_rank_answers_as_under_torchrun(tmp_path: Path, cpu_env: dict[str, str],
-                                                      flags: list[str]) -> None:
+def test_isatty_in_each_rank_answers_as_under_torchrun(tmp_path: Path,
+                                                      cpu_env: dict[str, str]) -> None:
     """On a terminal: stdin is the launcher's, stdout and stderr a terminal unless tee'd,
-    redirected or filtered out (torchrun writes those to a file, or /dev/null)."""
-    args = ["--standalone", "--nproc-per-node", "2", *flags]
-    ours = _ttys(tmp_path, [GPUWARDEN, "launch", *args], cpu_env, "ours")
-    theirs = _ttys(tmp_path, [TORCHRUN, *args, "--log-dir", str(tmp_path / "logs")]
-                   if flags else [TORCHRUN, *args], cpu_env, "theirs")
-    assert ours == theirs, (ours, theirs)
-    assert ours[0][0] and ours[0][2]  # the terminal, seen from a rank
+    redirected or filtered out (torchrun writes those to a file, or /dev/null). Plain, and with
+    --tee 1 --local-ranks-filter 0, each under both launchers: the four at once."""
+    runs: dict[tuple[str, str], tuple[Terminal, Path]] = {}
+    with contextlib.ExitStack() as stack:
+        for config, flags in (("plain", []), ("tee-filter", ["--tee", "1", "--local-ranks-filter",
+                                                             "0", "--log-dir", "logs"])):
+            args = ["--standalone", "--nproc-per-node", "2", *flags]
+            for who, argv in (("ours", [GPUWARDEN, "launch", *args]), ("theirs", [TORCHRUN, *args])):
+                out = tmp_path / f"{config}-{who}"
+                out.mkdir()
+                runs[config, who] = (stack.enter_context(Terminal(
+                    [*argv, SCRIPT, "tty", str(out)], cpu_env, tmp_path)), out)
+        for term, _ in runs.values():
+            assert term.finish(200) == 0, term.out.decode(errors="replace")
+    seen = {key: {int(p.suffix[1:]): json.loads(p.read_text()) for p in out.glob("tty.*")}
+            for key, (_, out) in runs.items()}
+    for config in ("plain", "tee-filter"):
+        assert seen[config, "ours"] == seen[config, "theirs"], seen
+    assert seen["plain", "ours"] == {0: [True, True, True], 1: [True, True, True]}
+    assert seen["tee-filter", "ours"] == {0: [True, False, True], 1: [True, False, False]}
 
 
 @pytest.mark.timeout(60)

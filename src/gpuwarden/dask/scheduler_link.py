@@ -82,16 +82,23 @@ async def first_contact(address: str, timeout_s: float,
     from gpuwarden.net import resolve
 
     host = _host_of(address)
+    announced = False
     if host is not None:
-        names = await asyncio.get_running_loop().run_in_executor(
+        lookup = asyncio.get_running_loop().run_in_executor(
             None, lambda: resolve(host, timeout_s=min(5.0, timeout_s)))
+        try:
+            names = await asyncio.wait_for(asyncio.shield(lookup), FIRST_TRY_S)
+        except asyncio.TimeoutError:
+            if on_wait is not None:
+                on_wait(f"gpuwarden: resolving the Dask scheduler's host {host!r} (slow "
+                        "resolver); up to 5 s")
+            names = await lookup
         if not names.ok:
             raise SchedulerUnreachableError(
                 f"the Dask scheduler's host {host!r} does not resolve",
                 why=f"{host}: {names.error}", fix=_FIX_ADDRESS + " (a name or an IP address "
                 "this host can resolve)")
     deadline = time.monotonic() + timeout_s
-    announced = False
     last: BaseException | None = None
     while True:
         left = deadline - time.monotonic()
