@@ -308,10 +308,10 @@ def test_scheduler_gone_stops_workers_and_frees_leases(tmp_path: Path) -> None:
         assert len(host.descendants) >= 2
         host.note_descendants()
         stop_process(scheduler)
-        assert host.proc.wait(60) == 1
+        assert host.proc.wait(60) == 0  # as dask worker: the scheduler's end ends the job
         assert host.leases() == []
         assert wait_until_gone(host.descendants, 15) == []
-        assert "went away; workers stopped, GPU 0 released" in host.log.read_text()
+        assert "closed or went away; workers stopped, GPU 0 released" in host.log.read_text()
     finally:
         if host.proc is not None and host.proc.poll() is None:
             host.stop(signal.SIGKILL)

@@ -166,8 +166,9 @@ def _entry(seq: int, name: str, state: str = "completed") -> dict[str, object]:
 
 def test_flight_recorder_dumps_name_the_ranks_that_did_not_join(tmp_path: Path) -> None:
     env = flight_recorder.recorder_env(str(tmp_path), {})
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path))
+    names = flight_recorder.installed_recorder_names()
+    assert env[names.buffer_size] and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env[names.dump_file].startswith(str(tmp_path))
     assert flight_recorder.recorder_env(str(tmp_path), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "9"}) == {}
     for rank, last in ((0, 7), (1, 7), (2, 6)):
         entries = [_entry(s, "all_reduce") for s in range(1, last)] + [_entry(last, "all_reduce", "started")]

@@ -25,6 +25,7 @@ Tree (exit code in brackets)::
     │   ├── WorkerDiedError       a pool worker died while running a task (signal, exit code)
     │   │   └── DaskWorkerDiedError  the same for a `gpuwarden worker` Dask worker (host, GPU)
     │   ├── SchedulerUnreachableError  `gpuwarden worker`: the Dask scheduler does not answer
+    │   ├── WorkerNameTakenError  `gpuwarden worker`: the scheduler has a worker of that name
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
     ├── LaunchError [1]           a launch cannot start (preflight), or a job failed
     │   ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
@@ -59,6 +60,10 @@ GPUWARDEN_CODES = {
     "POOL_BROKEN": "a pool cannot run tasks: its workers cannot start, or it was shut down",
     "POOL_CUDA_ARGUMENT": "a CUDA tensor was passed as a pool task argument",
     "DASK_SCHEDULER_UNREACHABLE": "the Dask scheduler given to `gpuwarden worker` does not answer",
+    "DASK_WORKER_NAME_TAKEN": "the Dask scheduler already has a worker of the name `gpuwarden "
+    "worker` would use (two hosts with one host name)",
+    "DASK_RESOURCE_UNOFFERED": "a Dask task asks for a resource (GPU) that no worker of the "
+    "scheduler offers: it waits until such a worker joins",
     # Not in failure-codes.md: DataLoader's "received 0 items of ancdata" / "Too many open files".
     "NOFILE_LIMIT": "the open-files limit is below what DataLoader's file_descriptor sharing needs",
     "INPUT_UNREADABLE": "a log given to explain is missing, a directory, or binary data",
@@ -294,6 +299,17 @@ class SchedulerUnreachableError(PoolError):
     """
 
     code = "DASK_SCHEDULER_UNREACHABLE"
+
+
+class WorkerNameTakenError(PoolError):
+    """The Dask scheduler already has a worker with one of the names ``gpuwarden worker`` would
+    give its workers (Dask refuses it: "name taken").
+
+    Usual causes: two hosts (or containers) with the same host name, or a second
+    ``gpuwarden worker`` on one host for the same scheduler.
+    """
+
+    code = "DASK_WORKER_NAME_TAKEN"
 
 
 class PoolBrokenError(PoolError):

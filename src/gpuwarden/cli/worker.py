@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -21,10 +22,12 @@ def add_parser(sub: Any) -> None:
         "the pool), then start K Dask workers per GPU (distributed's Nanny and Worker), each "
         "with its own CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, a name that says "
         "host and GPU (box-a/GPU1/0) and a GPU=1 resource. A worker that dies fails its task "
-        "with the host, GPU and signal. Stops the workers and releases the GPUs on SIGTERM or "
-        "SIGINT (exit 0) and when the scheduler goes away (exit 1). Exit 3 without a GPU, 4 "
-        "when the GPUs cannot be leased (in time), 2 for bad arguments. Needs the dask extra "
-        "(pip install 'gpuwarden[dask]').",
+        "with the host, GPU and signal. Stops the workers and releases the GPUs on SIGTERM, "
+        "SIGINT or SIGHUP, and when the scheduler closes or goes away (client.shutdown(), "
+        "scheduler stopped or lost): exit 0, as dask worker. Exit 1 when the scheduler does "
+        "not answer within --connect-timeout or already has workers of these names, 3 without "
+        "a GPU, 4 when the GPUs cannot be leased (in time), 2 for bad arguments. Needs the "
+        "dask extra (pip install 'gpuwarden[dask]').",
     )
     p.add_argument("scheduler", metavar="SCHEDULER_ADDRESS",
                    help="the Dask scheduler, e.g. tcp://10.0.0.4:8786")
@@ -47,6 +50,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default=None, metavar="ADDRESS",
                    help="address the workers listen on (default: the one that routes to the "
                    "scheduler)")
+    p.add_argument("--name", default=None, metavar="PREFIX",
+                   help="the workers' name prefix instead of this host's name "
+                   "(PREFIX/GPU0/0, ...): for two hosts or containers of one host name")
+    p.add_argument("--connect-timeout", default="30s", metavar="DURATION",
+                   help="how long to wait for the scheduler to answer (default 30s, as "
+                   "dask worker's --death-timeout)")
     p.add_argument("--cpu", action="store_true",
                    help="no GPU, no lease: N x K CPU workers (N from --gpus, 1 for all), to test a set-up")
     p.add_argument("-v", "--verbose", action="store_true", help="Dask's own INFO logs")
@@ -82,9 +91,15 @@ def run(args: argparse.Namespace) -> int:
         args.scheduler, _gpus(args.gpus), args.workers_per_gpu,  # type: ignore[arg-type]
         min_free=args.min_free, memory_fraction=args.memory_fraction, wait=args.wait,
         cpu=args.cpu, nthreads=args.nthreads, listen_host=args.host,
-        allow_shared=args.allow_shared,
+        allow_shared=args.allow_shared, name=args.name,
+        connect_timeout_s=_duration(args.connect_timeout, "--connect-timeout"),
         dask_log_level=logging.INFO if args.verbose else logging.WARNING).check()
     quiet_dask_logs(options.dask_log_level)
+    if not args.verbose:
+        # The worker processes read Dask's logging config when they import distributed (the
+        # nannies' silence_logs only lowers a handler, restored while a worker closes): the
+        # same level there, unless the user configured Dask's logging.
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     printer = StatusPrinter(sys.stderr)
     with printer:
         leased = lease_for_workers(options, on_wait=printer)
@@ -99,16 +114,18 @@ def run(args: argparse.Namespace) -> int:
             for line in describe(w):
                 note(f"  {line}")
 
-        why = asyncio.run(_serve_until_signal(workers, serve, started))
+        why = asyncio.run(_serve_until_signal(workers, serve, started, leased.release))
     finally:
         leased.release()
     released = f", {what} released" if leased.gpus else ""
     if why == "stopped":
         note(f"gpuwarden: {leased.host}: workers stopped{released}")
-        return EXIT_OK
-    note(f"gpuwarden: {leased.host}: the scheduler at {options.scheduler_address} went away; "
-         f"workers stopped{released}")
-    return 1
+    else:
+        # As dask worker: the scheduler's end (client.shutdown(), stopped, lost) is the end of
+        # the workers' job, not a failure of this command (a Slurm step is marked COMPLETED).
+        note(f"gpuwarden: {leased.host}: the scheduler at {options.scheduler_address} closed "
+             f"or went away; workers stopped{released}")
+    return EXIT_OK
 
 
 def quiet_dask_logs(level: int) -> None:
@@ -120,11 +137,34 @@ def quiet_dask_logs(level: int) -> None:
         if name == "distributed" or name.startswith("distributed."):
             logging.getLogger(name).setLevel(level)
     logging.getLogger("gpuwarden.dask").setLevel(logging.INFO)
+    from gpuwarden.dask._logs import shorten_connection_errors
+
+    shorten_connection_errors()
 
 
-async def _serve_until_signal(workers: Any, serve: Any, started: Any) -> str:
+def _duration(text: str, flag: str) -> float:
+    from gpuwarden.units import parse_duration
+
+    return parse_duration(text, what=flag)
+
+
+def _silence_dask_logs() -> None:
+    """The scheduler is gone: what Dask logs while its workers are stopped (connection errors,
+    tracebacks of a worker that was still starting) says nothing the line that follows does
+    not."""
+    for name in list(logging.root.manager.loggerDict):
+        if name == "distributed" or name.startswith("distributed."):
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+async def _serve_until_signal(workers: Any, serve: Any, started: Any, release: Any) -> str:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    return str(await serve(workers, stop, started))
+    try:
+        return str(await serve(workers, stop, started, on_wait=note, on_gone=_silence_dask_logs))
+    finally:
+        # The workers' processes are gone (serve's close kills and joins them): the GPUs go
+        # back now, not after asyncio.run has waited for Dask's own tasks to wind down.
+        release()

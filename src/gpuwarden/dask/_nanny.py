@@ -37,6 +37,9 @@ class GPUNanny(Nanny):
         self._running: dict[str, Any] | None = None  # address and pid of the live worker
         self._background: set[asyncio.Task[Any]] = set()
         self.deaths: list[dict[str, Any]] = []  # what this nanny reported, for its supervisor
+        # Set by the supervisor when the scheduler is gone: no message is sent any more (each
+        # would wait for a connection that cannot be made).
+        self.scheduler_gone = False
 
     async def instantiate(self) -> Status:
         status: Status = await super().instantiate()
@@ -50,6 +53,8 @@ class GPUNanny(Nanny):
         # Say first that this worker leaves on purpose: its tasks then go elsewhere at once.
         if self._running is not None and self.status not in _ASKED_TO_STOP:
             await self._tell("gpuwarden_worker_leaving", address=self._running["address"])
+        for task in list(self._background):
+            task.cancel()  # a death report still waiting for a scheduler that is gone
         return await super().close(*args, **kwargs)
 
     def _on_worker_exit_sync(self, exitcode: int) -> None:
@@ -72,6 +77,8 @@ class GPUNanny(Nanny):
 
     async def _tell(self, op: str, **msg: Any) -> None:
         """Send one message to the scheduler plugin; a scheduler without it just says no."""
+        if self.scheduler_gone:
+            return
         try:
             await asyncio.wait_for(getattr(self.scheduler, op)(**msg), NOTIFY_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - without the plugin Dask's own handling stays

@@ -1,7 +1,8 @@
 """What runs inside each Dask worker process that ``gpuwarden worker`` starts.
 
-Two things: the optional PyTorch memory cap (as the local pool does), and a record of the
-tasks this worker is executing, kept in a file that outlives the process. A worker killed by
+Three things: the optional PyTorch memory cap (as the local pool does), a record of the
+tasks this worker is executing, kept in a file that outlives the process, and Dask's log lines
+about lost connections kept to one line each (``_logs.py``). A worker killed by
 SIGKILL (the OOM killer) leaves nothing else behind; its nanny reads the file after the death
 to tell the scheduler which task the worker was running when it died (the scheduler itself only
 knows which tasks it had *sent* to the worker, and with a queue of two per thread that is not
@@ -65,6 +66,9 @@ class GPUWorkerPlugin(WorkerPlugin):
         self._executing: list[Any] = []
 
     def setup(self, worker: Any) -> None:
+        from gpuwarden.dask._logs import shorten_connection_errors
+
+        shorten_connection_errors()
         self._fd = os.open(self.record_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         write_executing(self._fd, [])
         if self.memory_fraction is not None:

@@ -38,11 +38,13 @@ class WorkerSpec:
 
 def plan_workers(host: str, gpus: Sequence[GPUSnapshot], workers_per_gpu: int, *,
                  cpu_workers: int = 1, parent_env: Mapping[str, str] | None = None,
-                 cpu_count: int | None = None) -> tuple[WorkerSpec, ...]:
+                 cpu_count: int | None = None,
+                 name_prefix: str | None = None) -> tuple[WorkerSpec, ...]:
     """``workers_per_gpu`` workers per GPU (``cpu_workers`` CPU workers when ``gpus`` is empty).
 
     Names say where a worker runs: ``box-a/GPU1/0`` is the first worker on GPU 1 of box-a,
-    ``box-a/CPU/2`` a CPU worker; Dask shows them in its dashboard, logs and errors. Each GPU
+    ``box-a/CPU/2`` a CPU worker; Dask shows them in its dashboard, logs and errors;
+    ``name_prefix`` replaces the host's name in them (``--name``: two hosts of one name). Each GPU
     worker offers ``GPU=1`` (a task with ``resources={"GPU": 1}`` holds one worker of a GPU,
     never two tasks in one worker); CPU workers offer no GPU resource.
     """
@@ -57,6 +59,6 @@ def plan_workers(host: str, gpus: Sequence[GPUSnapshot], workers_per_gpu: int, *
         k = per_device.get(device, 0)
         per_device[device] = k + 1
         resources = {GPU_RESOURCE: 1.0} if slot.gpu is not None else {}
-        specs.append(WorkerSpec(f"{host}/{device}/{k}", host, slot.gpu, dict(slot.env),
+        specs.append(WorkerSpec(f"{name_prefix or host}/{device}/{k}", host, slot.gpu, dict(slot.env),
                                 resources))
     return tuple(specs)

@@ -19,6 +19,13 @@ tasks it was executing (``_worker_plugin`` keeps that in a file its nanny reads)
 A report that arrives before the scheduler noticed the death fails the task at once, as if
 the worker had reported the error itself. With no gpuwarden worker, the plugin does nothing.
 
+It also says when a task asks for a resource that no worker offers (``resources={"GPU": 1}``
+sent to ``--cpu`` workers): Dask leaves such a task waiting in ``no-worker`` without a word, for
+a worker that offers it may join later. The plugin keeps Dask's behaviour and warns at once,
+on the scheduler's log and in every connected client (Dask's ``warn`` event, which a
+``Client`` raises as a ``UserWarning``): :data:`UNOFFERED_CODE`, the task, the resource, the
+workers there are and the fix; once per resource every :data:`WARN_EVERY_S`.
+
 The nannies register the plugin themselves (``register_scheduler_plugin``, idempotent), which
 needs gpuwarden importable where the scheduler runs; ``dask scheduler --preload
 gpuwarden.dask.scheduler_plugin`` installs it from the start.
@@ -28,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +54,8 @@ HOLD_S = 10.0  # how long a dead worker's tasks wait for its nanny's report
 HOLD_ENV = "GPUWARDEN_DASK_HOLD_S"  # read by the worker command that installs the plugin
 # A worker restriction that no worker address can match: the task waits in ``no-worker``.
 _HOLD_RESTRICTION = "gpuwarden-hold://waiting-for-the-nanny"
+UNOFFERED_CODE = "DASK_RESOURCE_UNOFFERED"
+WARN_EVERY_S = 60.0  # one warning per missing resource in this time, not one per task
 
 OOM_HINT = ("usual causes: the host's OOM killer (SIGKILL; see `dmesg` on the worker's host), "
             "a segfault in a native library, a CUDA error that aborted the process, os._exit() "
@@ -100,6 +111,7 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         self.processing_on: dict[Any, str] = {}  # task key -> gpuwarden worker it was sent to
         self.held: dict[str, _Hold] = {}
         self.dead: dict[str, dict[str, Any]] = {}  # removed, report pending: its announcement
+        self.warned: dict[tuple[tuple[str, float], ...], float] = {}  # missing -> when warned
         scheduler.handlers["gpuwarden_worker_up"] = self.worker_up
         scheduler.handlers["gpuwarden_worker_leaving"] = self.worker_leaving
         scheduler.handlers["gpuwarden_worker_died"] = self.worker_died
@@ -152,6 +164,9 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
     # -- the scheduler's own events --------------------------------------------------------
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "no-worker":
+            self._unoffered(key)
+            return
         if finish == "processing":
             ts = self.scheduler.tasks.get(key)
             ws = ts.processing_on if ts is not None else None
@@ -187,6 +202,27 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             asyncio.get_running_loop().call_later(self.hold_s * 2, self.dead.pop, worker, None)
         self.leaving.discard(worker)
         self.reported.pop(worker, None)
+
+    def _unoffered(self, key: Any) -> None:
+        """A task waits for a worker: warn when no worker offers a resource it asks for."""
+        ts = self.scheduler.tasks.get(key)
+        wants = getattr(ts, "resource_restrictions", None) if ts is not None else None
+        if not wants or ts.worker_restrictions == {_HOLD_RESTRICTION}:
+            return
+        workers = list(self.scheduler.workers.values())
+        missing = tuple(sorted((str(r), float(need)) for r, need in wants.items()
+                               if not any(ws.resources.get(r, 0) >= need for ws in workers)))
+        if not missing:
+            return  # offered: the task waits for a busy worker, as Dask intends
+        now = time.monotonic()
+        if now - self.warned.get(missing, -math.inf) < WARN_EVERY_S:
+            return
+        self.warned[missing] = now
+        text = unoffered_message(key, dict(missing), [(str(ws.name), dict(ws.resources))
+                                                       for ws in workers])
+        log.warning("%s", text)
+        self.scheduler.log_event("warn", {"message": pickle.dumps(text),
+                                          "category": pickle.dumps(UserWarning)})
 
     # -- releasing held tasks ----------------------------------------------------------------
 
@@ -230,6 +266,24 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
                 again[key] = "processing"
         if again:
             self.scheduler.transitions(again, stimulus_id)
+
+
+def unoffered_message(key: Any, missing: dict[str, float],
+                      workers: list[tuple[str, dict[str, float]]]) -> str:
+    """The warning for a task whose resources no worker offers (one line, the fix after it)."""
+    asks = ", ".join(f"{r}={need:g}" for r, need in missing.items())
+    seen = "; ".join(f"{name} ({', '.join(f'{r}={v:g}' for r, v in res.items()) or 'none'})"
+                     for name, res in workers[:4])
+    more = f" and {len(workers) - 4} more" if len(workers) > 4 else ""
+    there = f"{len(workers)} worker(s): {seen}{more}" if workers else "no worker at all"
+    fix = ("start `gpuwarden worker SCHEDULER` without --cpu on a host with GPUs (--cpu workers "
+           "offer no GPU), or submit without resources= to run on any worker"
+           if "GPU" in missing else
+           "start a worker that offers it (`dask worker --resources NAME=N`), or submit without "
+           "that resource")
+    return (f"gpuwarden: warning[{UNOFFERED_CODE}]: task {key!r} asks for {asks}, which no "
+            f"worker of this scheduler offers ({there}); Dask keeps it waiting until such a "
+            f"worker joins. fix: {fix}")
 
 
 async def dask_setup(scheduler: Any) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -35,8 +36,12 @@ from gpuwarden.inventory.snapshot import GPUSnapshot
 
 log = logging.getLogger("gpuwarden.dask")
 
-CONNECT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 30.0  # as `dask worker --death-timeout`
 CLOSE_TIMEOUT_S = 10.0
+# The scheduler is gone: nothing to hand over, so a worker gets this long to close, then its
+# process is killed. With the loss seen within ~1.5 s (scheduler_link.watch_scheduler), the
+# GPUs are released within ~4 s of the scheduler's end.
+GONE_CLOSE_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,14 +59,15 @@ class WorkerOptions:
     listen_host: str | None = None
     allow_shared: bool = False
     label: str | None = None
+    name: str | None = None  # the workers' name prefix (default: this host's name)
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     dask_log_level: int = logging.WARNING
 
     def check(self) -> WorkerOptions:
-        if not self.scheduler_address:
-            raise UsageError("no scheduler address given",
-                             fix="gpuwarden worker tcp://10.0.0.4:8786 (what `dask scheduler` "
-                             "prints as 'Scheduler at:')")
+        """These options, validated (UsageError otherwise), the address with its scheme."""
+        from gpuwarden.dask.scheduler_link import check_address
+
+        address = check_address(self.scheduler_address)
         if self.gpus != "all" and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int)
                                    or self.gpus < 1):
             raise UsageError(f"gpus={self.gpus!r}: expected a count >= 1 or 'all'",
@@ -73,7 +79,14 @@ class WorkerOptions:
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise UsageError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]",
                              fix="e.g. 0.45 for two workers per GPU")
-        return self
+        if not self.connect_timeout_s > 0:
+            raise UsageError(f"connect timeout {self.connect_timeout_s!r}: must be more than 0",
+                             fix="--connect-timeout 30s")
+        if self.name is not None and (not self.name.strip() or "/" in self.name):
+            raise UsageError(f"worker name prefix {self.name!r}: must be non-empty, without '/'",
+                             fix="--name box-a-2 (workers are then box-a-2/GPU0/0, ...)")
+        return self if address == self.scheduler_address else \
+            dataclasses.replace(self, scheduler_address=address)
 
 
 @dataclass
@@ -143,7 +156,7 @@ class GPUWorkers:
         # CPU workers (no GPU leased, ``cpu=True``): as many as N GPUs would have had.
         cpu_workers = options.workers_per_gpu * (options.gpus if options.gpus != "all" else 1)
         self.specs = plan_workers(leased.host, leased.gpus, options.workers_per_gpu,
-                                  cpu_workers=cpu_workers)
+                                  cpu_workers=cpu_workers, name_prefix=options.name)
         self.nannies: list[Any] = []
         self._records = tempfile.mkdtemp(prefix="gpuwarden-dask-")  # 0700: ours alone
         self._closing = False
@@ -157,16 +170,22 @@ class GPUWorkers:
         """Every worker death the nannies saw (and reported), oldest first."""
         return [d for n in self.nannies for d in n.deaths]
 
-    async def start(self) -> None:
+    async def start(self, on_wait: Callable[[str], None] | None = None) -> None:
+        """Reach the scheduler (:func:`~gpuwarden.dask.scheduler_link.first_contact`: waiting
+        for it up to ``connect_timeout_s``, ``on_wait`` told once), check that no worker there
+        has one of our names, install the scheduler plugin, then start the nannies."""
         from gpuwarden.dask._nanny import GPUNanny
         from gpuwarden.dask._worker_plugin import GPUWorkerPlugin
+        from gpuwarden.dask.scheduler_link import check_names, first_contact
 
-        await register_scheduler_plugin(self.options.scheduler_address,
-                                        self.options.connect_timeout_s)
+        address = self.options.scheduler_address
+        identity = await first_contact(address, self.options.connect_timeout_s, on_wait)
+        check_names(identity, [s.name for s in self.specs], address)
+        await register_scheduler_plugin(address, self.options.connect_timeout_s)
         for i, spec in enumerate(self.specs):
             record = os.path.join(self._records, f"worker-{i}.executing")
             self.nannies.append(GPUNanny(
-                self.options.scheduler_address, name=spec.name, nthreads=self.options.nthreads,
+                address, name=spec.name, nthreads=self.options.nthreads,
                 resources=dict(spec.resources) or None, env=dict(spec.env),
                 host=self.options.listen_host, death_timeout=self.options.connect_timeout_s,
                 silence_logs=self.options.dask_log_level, dashboard=False,
@@ -179,11 +198,17 @@ class GPUWorkers:
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             await self.close()
+            # Another command may have taken a name since the check (the race Dask then
+            # reports as "name taken" in the worker's log only): say so rather than "down".
+            with contextlib.suppress(SchedulerUnreachableError):
+                check_names(await first_contact(address, 5.0), [s.name for s in self.specs],
+                            address)
             raise SchedulerUnreachableError(
-                f"{len(failed)} of {len(self.nannies)} Dask worker(s) could not start: "
-                f"{failed[0]!r}",
-                fix=f"check that the scheduler at {self.options.scheduler_address} is up and "
-                "reachable from this host") from failed[0]
+                f"{len(failed)} of {len(self.nannies)} Dask worker(s) could not start at "
+                f"{address}", why=f"{type(failed[0]).__name__}: {failed[0]}",
+                fix="the lines above are Dask's own; check that the scheduler is up and that "
+                "this host's workers can reach it, and --host if the host has several "
+                "addresses") from failed[0]
 
     async def wait_closed(self) -> None:
         """Until Dask closes any of the workers (the scheduler went away or closed them)."""
@@ -194,12 +219,40 @@ class GPUWorkers:
             for w in waits:
                 w.cancel()
 
-    async def close(self) -> None:
-        """Stop every worker (each gets CLOSE_TIMEOUT_S, then its process is killed)."""
+    async def close(self, timeout_s: float = CLOSE_TIMEOUT_S, *,
+                    scheduler_gone: bool = False) -> None:
+        """Stop every worker, within a bound: Dask's close (each worker gets ``timeout_s`` to
+        finish, then its nanny kills it); then any worker process still alive (a nanny waits
+        for a worker that is still starting before it closes it: up to its ``death_timeout``
+        when the scheduler is gone) is killed through its process object and joined.
+        ``scheduler_gone``: the nannies tell the scheduler nothing more."""
         self._closing = True
-        await asyncio.gather(*(n.close(timeout=CLOSE_TIMEOUT_S) for n in self.nannies),
-                             return_exceptions=True)
+        # Each nanny's WorkerProcess, taken now (Nanny.close forgets it): its current process
+        # is read after the close, as a restart may have replaced the one there is now.
+        handles = [n.process for n in self.nannies if getattr(n, "process", None) is not None]
+        for n in self.nannies:
+            n.scheduler_gone = n.scheduler_gone or scheduler_gone
+        closing = asyncio.gather(*(n.close(timeout=timeout_s) for n in self.nannies),
+                                 return_exceptions=True)
+        try:
+            await asyncio.wait_for(asyncio.shield(closing), timeout_s + 0.5)
+        except asyncio.TimeoutError:
+            pass  # a nanny waits for a worker that is still starting: killed below
+        for _ in range(2):  # a restart under way may replace a process once more
+            for handle in handles:
+                await _kill_and_join(getattr(handle, "process", None), timeout_s)
         shutil.rmtree(self._records, ignore_errors=True)
+
+
+async def _kill_and_join(process: Any, timeout_s: float) -> None:
+    """SIGKILL a worker process that is still alive, through distributed's ``AsyncProcess``
+    handle on it (which signals only a child it has not reaped), and wait for it."""
+    if process is None:
+        return
+    with contextlib.suppress(Exception):  # closed handle, already gone: nothing to kill
+        if process.is_alive():
+            await asyncio.wait_for(process.kill(), timeout_s)
+        await process.join(timeout_s)
 
 
 async def register_scheduler_plugin(address: str, timeout_s: float) -> None:
@@ -228,22 +281,36 @@ async def register_scheduler_plugin(address: str, timeout_s: float) -> None:
 
 
 async def serve(workers: GPUWorkers, stop: asyncio.Event,
-                on_started: Callable[[GPUWorkers], None] | None = None) -> str:
-    """Run the workers until ``stop`` is set or Dask closes them; then stop them all.
+                on_started: Callable[[GPUWorkers], None] | None = None,
+                on_wait: Callable[[str], None] | None = None,
+                on_gone: Callable[[], None] | None = None) -> str:
+    """Run the workers until ``stop`` is set, Dask closes them, or the scheduler is gone; then
+    stop them all (within a bound: :meth:`GPUWorkers.close`).
 
-    Returns why it ended: ``"stopped"`` or ``"scheduler-gone"``. The GPUs are not released here.
+    Returns why it ended: ``"stopped"`` or ``"scheduler-gone"`` (which covers a scheduler that
+    closed, ``client.shutdown()``, and one that died). The GPUs are not released here.
+    ``on_wait`` gets a line while the scheduler is waited for; ``on_gone`` is called when it is
+    gone, before the workers are stopped.
     """
-    await workers.start()
+    from gpuwarden.dask.scheduler_link import watch_scheduler
+
+    await workers.start(on_wait)
     if on_started is not None:
         on_started(workers)
     closed = asyncio.ensure_future(workers.wait_closed())
     stopped = asyncio.ensure_future(stop.wait())
+    gone = asyncio.ensure_future(watch_scheduler(workers.options.scheduler_address))
     try:
-        await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({closed, stopped, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        closed.cancel()
-        stopped.cancel()
-        await workers.close()
+        for task in (closed, stopped, gone):
+            task.cancel()
+        if stop.is_set():
+            await workers.close()
+        else:
+            if on_gone is not None:
+                on_gone()
+            await workers.close(GONE_CLOSE_TIMEOUT_S, scheduler_gone=True)
     return "stopped" if stop.is_set() else "scheduler-gone"
 
 

@@ -144,7 +144,8 @@ def failure_codes_markdown(kb: KnowledgeBase | None = None) -> str:
     for code, text in own.items():
         classes = raised.get(code, [])
         how = ", ".join(f"`{c.__name__}` ({c.exit_code})" for c in classes) or \
-            "reported, not raised: by `gpuwarden launch` or `gpuwarden doctor`"
+            "reported, not raised: by `gpuwarden launch`, `gpuwarden doctor` or the Dask " \
+            "scheduler plugin"
         out.append(f"| {code} | {_cell(text)} | {how} |")
     also = sorted(c for c in raised if c not in own and c != "INTERNAL")
     out += ["", "Errors raised with a code of the failures above: "

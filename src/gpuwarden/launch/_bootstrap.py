@@ -164,16 +164,17 @@ def _start_sampling_thread(request_fifo: str, sample_file: str, query_file: str)
 
 
 def _script_traceback(exc: BaseException) -> types.TracebackType | None:
-    """The traceback from the script's first frame on, as ``python SCRIPT`` shows it (without
-    the bootstrap's frames)."""
+    """The traceback from the script's first frame on, as the interpreter shows it for ``python
+    SCRIPT`` (or ``python -m MODULE``, whose traceback starts in runpy's frames): the bootstrap's
+    own frames left out. None when only bootstrap frames remain (a SyntaxError in the script:
+    python then prints the error without a "Traceback" header)."""
     tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
-                              or "runpy" in tb.tb_frame.f_code.co_filename):
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return tb or exc.__traceback__
+    return tb
 
 
-def _write_error(path: str, exc: BaseException) -> None:
+def _write_error(path: str, exc: BaseException, tb: types.TracebackType | None) -> None:
     import traceback
 
     record = {
@@ -181,8 +182,7 @@ def _write_error(path: str, exc: BaseException) -> None:
         "pid": os.getpid(),
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(
-            type(exc), exc, _script_traceback(exc))),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
         "monotonic": time.monotonic(),
         "time": time.time(),
     }
@@ -224,14 +224,25 @@ def _call(payload: str) -> None:
     os.replace(f"{out}.tmp", out)
 
 
+def _run_module(name: str, args: list[str]) -> None:
+    """What ``python -m MODULE ARGS`` does: runpy's own entry for ``-m`` (the traceback of an
+    error in the module starts in its frames, and an unknown module is the interpreter's one
+    line ``PYTHON: No module named MODULE``, exit 1), in a fresh ``__main__`` module."""
+    import runpy
+
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    _keep_alive.append(sys.modules["__main__"])
+    sys.modules["__main__"] = main
+    sys.argv = ["-m", *args]  # runpy puts the module's path in argv[0], as python does
+    runpy._run_module_as_main(name, alter_argv=True)  # type: ignore[attr-defined]
+
+
 def _run(argv: list[str]) -> None:
     if argv[0] == "--call":
         _call(argv[1])
     elif argv[0] == "-m":
-        import runpy
-
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        _run_module(argv[1], argv[2:])
     else:
         _run_path(argv[0], argv[1:])
 
@@ -242,9 +253,27 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
+def _print_as_python(tb: types.TracebackType | None) -> None:
+    """Make the interpreter print the exception about to leave the bootstrap as it prints one
+    leaving ``python SCRIPT``: with ``tb``, the script's traceback, not the one it collected on
+    its way out through the bootstrap. A one-shot hook around whatever ``sys.excepthook`` is
+    then (the script's, or torch's ``[rankN]:`` prefixing one), restored as it is called."""
+    hook = sys.excepthook
+
+    def once(exc_type: type[BaseException], value: BaseException,
+             _tb: types.TracebackType | None) -> None:
+        sys.excepthook = hook
+        value.__traceback__ = tb
+        hook(exc_type, value, tb)
+
+    sys.excepthook = once
+
+
 def main(argv: list[str]) -> int:
-    """Run the script; return its exit code, or let its SystemExit through to the interpreter
-    (which then prints a string code and exits as ``python SCRIPT`` would)."""
+    """Run the script; return 0, or let its exception out to the interpreter, which then ends
+    the process as ``python SCRIPT`` ends: a SystemExit's code (a string printed, exit 1), an
+    exception printed and exit 1, an uncaught KeyboardInterrupt printed and death by SIGINT
+    after the interpreter's finalization (what a shell sees as 130)."""
     env = os.environ
     _arm(env)
     try:
@@ -257,14 +286,12 @@ def main(argv: list[str]) -> int:
         # FAILED first: the supervisor starts stopping the other ranks while this one records
         # its error and goes through its (slow, with torch loaded) interpreter teardown.
         _set(Phase.FAILED)
-        # The traceback from the script's first frame on: excepthook prints the exception's own.
-        exc.__traceback__ = _script_traceback(exc)
+        tb = _script_traceback(exc)
         if env.get("GPUWARDEN_ERROR_FILE"):
-            _write_error(env["GPUWARDEN_ERROR_FILE"], exc)
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        _finished(code)
-        return code
+            _write_error(env["GPUWARDEN_ERROR_FILE"], exc, tb)
+        _finished(130 if isinstance(exc, KeyboardInterrupt) else 1)
+        _print_as_python(tb)
+        raise
     _finished(0)
     return 0
 

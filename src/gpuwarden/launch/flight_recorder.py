@@ -1,13 +1,14 @@
 """NCCL's flight recorder, read into the stall report (GPU jobs only).
 
 torch's ProcessGroupNCCL keeps the last N collectives of each rank in a ring buffer when
-``TORCH_NCCL_TRACE_BUFFER_SIZE`` (``TORCH_FR_BUFFER_SIZE`` in newer releases) is set, and writes it
-when its watchdog times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``) to ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``
-+ the rank (``TORCH_FR_DUMP_TEMP_FILE``), or when a byte is written to the named pipe it makes
-at ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` + rank + ``.pipe`` (``TORCH_FR_DEBUG_INFO_PIPE_FILE``).
-gpuwarden turns this on for GPU ranks, into the job's own directory, unless the user set these
-variables, and asks for a dump through the pipes when it sees a stall (long before NCCL's
-watchdog timeout). A dump is a pickle of plain containers
+``TORCH_FR_BUFFER_SIZE`` (``TORCH_NCCL_TRACE_BUFFER_SIZE`` before torch 2.8) is set, and writes
+it when its watchdog times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``) to ``TORCH_FR_DUMP_TEMP_FILE``
+(``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) + the rank, or when a byte is written to the named pipe it
+makes at ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` + rank + ``.pipe``. gpuwarden turns this on for GPU
+ranks, into the job's own directory, unless the user set one of these variables, and asks for a
+dump through the pipes when it sees a stall (long before NCCL's watchdog timeout). It sets each
+variable under the one name the installed torch reads (:func:`installed_recorder_names`): torch
+2.8 and later still read the old names but print a deprecation warning in every rank for them. A dump is a pickle of plain containers
 (``{"version", "pg_config", "entries": [{"collective_seq_id", "profiling_name", "state",
 "process_group": (name, desc), ...}]}``); it is read here with an unpickler that refuses every
 global, so a planted file cannot run code in the launcher.
@@ -18,11 +19,13 @@ never reached collective N: the ranks that did not join.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 DUMP_PREFIX = "nccl_trace_rank_"
@@ -30,20 +33,94 @@ TRACE_ENTRIES = "2000"
 MAX_DUMP_BYTES = 64 << 20
 
 
-def recorder_env(run_dir: str, base_env: Mapping[str, str]) -> dict[str, str]:
-    """The variables that turn the recorder on for a GPU rank (the user's own settings win)."""
+# Every spelling torch has read for the recorder's settings: one the user set means the user
+# configured the recorder, and gpuwarden sets none.
+RECORDER_VARIABLES = (
+    "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "TORCH_FR_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+)
+_C10D_HEADERS = ("include", "torch", "csrc", "distributed", "c10d")
+
+
+@dataclass(frozen=True)
+class RecorderNames:
+    """The variable names the installed torch reads for the recorder (one spelling each: torch
+    prints ``... is deprecated; use ...`` in every rank for a deprecated one it still reads)."""
+
+    buffer_size: str
+    dump_file: str
+    pipe_file: str
+    dump_on_timeout: str = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+
+
+def recorder_env(run_dir: str, base_env: Mapping[str, str],
+                 names: RecorderNames | None = None) -> dict[str, str]:
+    """The variables that turn the recorder on for a GPU rank (the user's own settings win),
+    spelled as the installed torch reads them (:func:`installed_recorder_names`)."""
+    if any(k in base_env for k in RECORDER_VARIABLES):
+        return {}
+    names = names or installed_recorder_names()
     prefix = os.path.join(run_dir, DUMP_PREFIX)
-    wanted = {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": TRACE_ENTRIES,
-        "TORCH_FR_BUFFER_SIZE": TRACE_ENTRIES,
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-        "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": prefix,
-        "TORCH_FR_DEBUG_INFO_PIPE_FILE": prefix,
-    }
-    user_set = any(k in base_env for k in wanted)
-    return {} if user_set else wanted
+    return {names.buffer_size: TRACE_ENTRIES, names.dump_on_timeout: "1",
+            names.dump_file: prefix, names.pipe_file: prefix}
+
+
+def names_for(fr_names: bool, fr_pipe: bool = False) -> RecorderNames:
+    if fr_names:  # the backend-neutral FlightRecorder (pytorch#152563, 2025): TORCH_FR_*
+        return RecorderNames("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+                             "TORCH_FR_DEBUG_INFO_PIPE_FILE" if fr_pipe
+                             else "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+    return RecorderNames("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+
+
+@functools.lru_cache(maxsize=1)
+def installed_recorder_names() -> RecorderNames:
+    """Asked of the installed torch without importing it (the supervisor imports no torch): its
+    own C++ headers, shipped in every wheel, name what ``FlightRecorder`` and
+    ``ProcessGroupNCCL`` read; without them, the version in the package metadata decides (the
+    ``TORCH_FR_*`` names came with torch 2.8)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return recorder_names_in(roots) or names_for(_torch_version() >= (2, 8))
+
+
+def recorder_names_in(torch_roots: list[str]) -> RecorderNames | None:
+    """The names a torch installed at one of ``torch_roots`` reads, from its headers (None
+    when it has none: a stripped install)."""
+    for root in torch_roots:
+        c10d = os.path.join(root, *_C10D_HEADERS)
+        recorder = _header(os.path.join(c10d, "FlightRecorder.hpp"))
+        nccl = _header(os.path.join(c10d, "ProcessGroupNCCL.hpp"))
+        if recorder is not None or nccl is not None:
+            return names_for('"TORCH_FR_BUFFER_SIZE"' in (recorder or ""),
+                             '"TORCH_FR_DEBUG_INFO_PIPE_FILE"' in (nccl or ""))
+    return None
+
+
+def _header(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 20)
+    except OSError:
+        return None
+
+
+def _torch_version() -> tuple[int, int]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("torch")
+    except PackageNotFoundError:
+        return (0, 0)
+    parts = re.findall(r"\d+", text)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -90,10 +90,14 @@ class ProcessContext:
         self._was_subreaper = _is_subreaper()
         self.subreaper = self._was_subreaper or _prctl_subreaper(True)
 
-    def start(self, argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    def start(self, argv: Sequence[str], env: Mapping[str, str], *,
+              stdin: int | None = subprocess.DEVNULL, stdout: int = subprocess.PIPE,
+              stderr: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
+        """Start one rank in a session of its own; ``stdin=None`` inherits the launcher's (as
+        torchrun's ranks do), ``stdout``/``stderr`` are descriptors (launch/relay.RankStdio)."""
         proc = subprocess.Popen(
-            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+            list(argv), env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr,
+            start_new_session=True, close_fds=True)
         self.track(proc.pid)
         return proc
 

@@ -9,6 +9,13 @@ from a pipe is written to the console in one call. A rank's unfinished line is h
 prefixed console line (the log file gets the bytes unchanged). So the relay is linear in the
 bytes relayed and its memory per rank is bounded, whatever a rank writes.
 
+A rank's stream shown on a console that is a terminal is a pseudo-terminal of its own (and its
+stdin is the launcher's, inherited as torchrun's ranks inherit it): ``isatty()`` is true in the
+rank as under torchrun, progress bars and colours work, and what the rank writes is passed on at
+once, an unfinished line (a ``(Pdb) `` prompt) included, with the prefix at each line's start
+(:meth:`StreamRelay._tty_write`). Every other stream is a pipe, as a torchrun rank's is a file
+when tee'd or redirected.
+
 A console whose reader went away (``gpuwarden launch ... | head -1``) is silenced, not fatal:
 the ranks' pipes are still drained (a rank never blocks on a full pipe), the log files and the
 report's tail still get everything, and no ``BrokenPipeError`` traceback is printed.
@@ -28,6 +35,7 @@ import collections
 import contextlib
 import errno
 import os
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, TextIO
@@ -114,8 +122,24 @@ class Console:
         self.stream = stream
         self.raw: IO[bytes] | None = getattr(stream, "buffer", None)
         self.closed = False
+        self.isatty = _isatty(stream)
+        # On a terminal: which rank's stream has written a line without its newline yet (a
+        # prompt); shared by the two consoles when both are the terminal (JobRelay).
+        self.line = _OpenLine()
         with contextlib.suppress(OSError, ValueError):
             stream.flush()  # what gpuwarden printed itself comes first
+
+    def winsize(self) -> bytes | None:
+        """The terminal's size (``struct winsize``), None when it is not a terminal."""
+        if not self.isatty:
+            return None
+        import fcntl
+        import termios
+
+        try:
+            return fcntl.ioctl(self.stream.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        except (OSError, ValueError):
+            return None
 
     def write(self, data: bytes) -> None:
         if self.closed or not data:
@@ -146,14 +170,32 @@ class Console:
             os.close(devnull)
 
 
+class _OpenLine:
+    """The stream whose line is open on a terminal (None: the cursor is at a line start)."""
+
+    owner: object | None = None
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return os.isatty(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # StringIO, pytest's capture: not a terminal
+        return False
+
+
 class StreamRelay:
     """One stream of one rank: feed it what was read from the pipe, in any chunk sizes."""
 
     def __init__(self, prefix: bytes, console: Console | None, file: IO[bytes] | None,
                  tail: collections.deque[str] | None = None,
-                 filters: Sequence[bytes] = (), filtered: IO[bytes] | None = None) -> None:
+                 filters: Sequence[bytes] = (), filtered: IO[bytes] | None = None,
+                 tty: Console | None = None) -> None:
         self.prefix = prefix
         self.console = console
+        self.tty = tty  # a terminal console: everything passed on at once (_tty_write)
+        # torch's own excepthook and logs already start lines with "[rankN]:": not twice
+        tag = prefix.rstrip(b" ")
+        self._twice = (prefix + tag, tag) if tag else None
         self.file = file
         self.tail = tail
         self.filters = tuple(filters)
@@ -162,6 +204,8 @@ class StreamRelay:
         self._pending = bytearray()  # the unfinished line, at most MAX_LINE_BYTES
 
     def feed(self, data: bytes) -> None:
+        if self.tty is not None:
+            self._tty_write(data)
         # Slices of at most MAX_LINE_BYTES: a whole line inside one slice is then shorter than
         # the bound, and only the line that continues the pending one can be longer.
         for start in range(0, len(data), MAX_LINE_BYTES):
@@ -210,8 +254,38 @@ class StreamRelay:
             self._pending += data[last + 1:]
             self._cut_long_line()
 
+    def _tty_write(self, data: bytes) -> None:
+        """A terminal gets everything now, an unfinished line too (a ``(Pdb) `` prompt, a
+        progress bar's redraw), the prefix at the start of each line: a constant number of C
+        passes over the chunk. A line left open by another stream is ended first."""
+        assert self.tty is not None
+        line = self.tty.line
+        head = b""
+        if line.owner is not self:
+            if line.owner is not None:
+                head = b"\n"  # another rank's unfinished line: end it, ours starts afresh
+            head += self.prefix
+        body = data
+        if self.prefix:
+            body = body.replace(b"\n", self._newline_prefix)
+            if b"\r" in body:
+                body = body.replace(b"\r", b"\r" + self.prefix).replace(
+                    b"\r" + self.prefix + self._newline_prefix, b"\r" + self._newline_prefix)
+            if body.endswith(self._newline_prefix):
+                body = body[: -len(self.prefix)]  # the next line may be another rank's
+            body = head + body
+            if self._twice is not None and self._twice[1] in body:
+                body = body.replace(*self._twice)
+        else:
+            body = head + body
+        line.owner = None if body.endswith(b"\n") else self
+        self.tty.write(body)
+
     def finish(self) -> None:
         """End of the stream: an unfinished last line is passed on as a line."""
+        if self.tty is not None and self.tty.line.owner is self:
+            self.tty.line.owner = None
+            self.tty.write(b"\n")
         if self._pending:
             rest = bytes(self._pending)
             self._pending.clear()
@@ -241,10 +315,12 @@ class StreamRelay:
             self.file.write(block)
         if self.console is not None:
             if self.prefix:
-                body = block[:-1].replace(b"\n", self._newline_prefix)
+                body = self.prefix + block[:-1].replace(b"\n", self._newline_prefix)
                 if b"\r" in body:  # a redrawn line keeps its prefix on a terminal
                     body = body.replace(b"\r", b"\r" + self.prefix)
-                self.console.write(self.prefix + body + b"\n")
+                if self._twice is not None and self._twice[1] in body:
+                    body = body.replace(*self._twice)
+                self.console.write(body + b"\n")
             else:
                 self.console.write(block)
         if self.tail is not None:
@@ -260,6 +336,70 @@ def _tail_line(raw: bytes) -> str:
     return raw[:TAIL_LINE_CHARS * 4].decode("utf-8", errors="replace")[:TAIL_LINE_CHARS]
 
 
+class RankStdio:
+    """The descriptors one rank's stdout and stderr are made of, and the ends the supervisor
+    reads: a pseudo-terminal for a stream that goes to a terminal console (torchrun's rank
+    writes to that terminal itself), a pipe for every other one.
+
+    ``child_out``/``child_err`` are given to the rank and closed here once it started
+    (:meth:`started`), so that the rank's exit ends the stream; ``reads`` are ``(fd, is_err)``,
+    non-blocking, closed by :meth:`close`. A pseudo-terminal passes bytes unchanged (no
+    ``\\n`` to ``\\r\\n``), has the console's size less the prefix's width (a progress bar
+    fits one line), and is no controlling terminal of the rank (its own session), as under
+    torchrun, where ranks run in sessions of their own too.
+    """
+
+    def __init__(self, tty_out: Console | None, tty_err: Console | None, prefix_width: int) -> None:
+        self.reads: list[tuple[int, bool]] = []
+        self._child: list[int] = []
+        try:
+            self.child_out = self._open(False, tty_out, prefix_width)
+            self.child_err = self._open(True, tty_err, prefix_width)
+        except OSError:
+            self.started()
+            self.close()
+            raise
+
+    def _open(self, is_err: bool, tty: Console | None, prefix_width: int) -> int:
+        if tty is None:
+            read, write = os.pipe()
+        else:
+            read, write = os.openpty()
+            _raw_output(write, tty.winsize(), prefix_width)
+        os.set_blocking(read, False)
+        self.reads.append((read, is_err))
+        self._child.append(write)
+        return write
+
+    def started(self) -> None:
+        """The rank holds its own copies now (or never will): close the parent's."""
+        for fd in self._child:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._child.clear()
+
+    def close(self) -> None:
+        for fd, _ in self.reads:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.reads.clear()
+
+
+def _raw_output(slave: int, winsize: bytes | None, prefix_width: int) -> None:
+    import fcntl
+    import termios
+
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.OPOST  # oflag: what the rank writes arrives unchanged
+    attrs[3] &= ~termios.ECHO  # lflag: nothing is typed into it (stdin is the launcher's)
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    if winsize is not None:
+        rows, cols, xpix, ypix = struct.unpack("HHHH", winsize)
+        cols = max(20, cols - prefix_width) if cols else cols
+        with contextlib.suppress(OSError):
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, xpix, ypix))
+
+
 class RankRelay:
     """Both streams of one rank, and the files they own."""
 
@@ -269,11 +409,23 @@ class RankRelay:
         self.outputs = outputs
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._files: list[IO[bytes]] = []
-        self.out = StreamRelay(outputs.prefix, stdout if outputs.console_out else None,
-                               self._open(outputs.stdout_file), None, filters[0], filtered[0])
-        self.err = StreamRelay(outputs.prefix, stderr if outputs.console_err else None,
-                               self._open(outputs.stderr_file), self.stderr_tail, filters[1],
-                               filtered[1])
+        # A stream shown on a terminal and written to no file: torchrun's rank would write to
+        # the terminal itself, so this one gets a terminal too (RankStdio).
+        self.tty_out = stdout if outputs.console_out and outputs.stdout_file is None \
+            and stdout.isatty else None
+        self.tty_err = stderr if outputs.console_err and outputs.stderr_file is None \
+            and stderr.isatty else None
+        self.out = StreamRelay(
+            outputs.prefix, stdout if outputs.console_out and self.tty_out is None else None,
+            self._open(outputs.stdout_file), None, filters[0], filtered[0], self.tty_out)
+        self.err = StreamRelay(
+            outputs.prefix, stderr if outputs.console_err and self.tty_err is None else None,
+            self._open(outputs.stderr_file), self.stderr_tail, filters[1], filtered[1],
+            self.tty_err)
+
+    def open_stdio(self) -> RankStdio:
+        """The rank's stdout and stderr, as :class:`RankStdio` decides them."""
+        return RankStdio(self.tty_out, self.tty_err, len(self.outputs.prefix))
 
     def _open(self, path: str | None) -> IO[bytes] | None:
         if path is None:
@@ -309,6 +461,8 @@ class JobRelay:
                  duplicate_stderr_filters: Sequence[str] = ()) -> None:
         self.stdout = Console(stdout)
         self.stderr = Console(stderr)
+        if self.stdout.isatty and self.stderr.isatty:
+            self.stderr.line = self.stdout.line  # one terminal: one cursor
         self.redirects, self.tee = redirects, tee
         self.local_ranks_filter, self.quiet = local_ranks_filter, quiet
         self.attempt_dir = attempt_dir

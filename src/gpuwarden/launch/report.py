@@ -20,6 +20,7 @@ from gpuwarden.findings import Finding, Section, Severity, render_plain
 from gpuwarden.launch.stall import Stall, main_thread_frames
 from gpuwarden.launch.supervisor import RankExit, RunOutcome
 from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
+from gpuwarden.safetext import escape_untrusted
 
 if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank failed
     from gpuwarden.explain.engine import Finding as Diagnosed
@@ -75,8 +76,10 @@ class LaunchReport:
 
     @property
     def finding(self) -> Finding:
+        # A heading with nothing under it says nothing: a section comes only with its lines.
         return Finding(code=self.code or "", what=self.what, why=self.why, fix=self.fix,
-                       evidence=self.evidence, sections=[Section(h, b) for h, b in self.sections],
+                       evidence=self.evidence,
+                       sections=[Section(h, b) for h, b in self.sections if b],
                        fields=self.fields, severity=Severity.OK if self.ok else Severity.ERROR)
 
     def render(self) -> str:
@@ -246,26 +249,42 @@ def _left_early_report(outcome: RunOutcome, root: RankExit, failures: list[RankE
                         root.rank, fields)
 
 
+def _exception_words(err: dict[str, Any]) -> str:
+    """'KeyError: 'lr'', or 'KeyboardInterrupt' for an exception without a message."""
+    message = str(err.get("message", ""))
+    return f"{err.get('type')}: {message}" if message else str(err.get("type"))
+
+
 def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     after = root.failed_at - outcome.started_at
     err = root.error or {}
+    recorded = root.torch_error  # torch's @record / record_exception, in its error file
     details: list[tuple[str, list[str]]] = []
     if err:
-        what = f"rank {root.rank} failed first: {err.get('type')}: {err.get('message')}"
+        what = f"rank {root.rank} failed first: {_exception_words(err)}"
         tb = str(err.get("traceback", "")).rstrip().splitlines()
         details.append((f"traceback of rank {root.rank} (last lines)", tb[-TRACEBACK_TAIL_LINES:]))
+    elif recorded is not None and recorded.message:
+        # The script recorded its exception with torch's error handler, then left on its own
+        # (sys.exit(7)): what torchrun's ChildFailedError shows for it.
+        what = f"rank {root.rank} failed first: {escape_untrusted(recorded.message, 500)}"
+        tb = (recorded.traceback or "").rstrip().splitlines()
+        details.append((f"traceback rank {root.rank} recorded in torch's error file (last lines)",
+                        [escape_untrusted(line, 2000) for line in tb[-TRACEBACK_TAIL_LINES:]]))
     elif root.returncode < 0:
         what = f"rank {root.rank} was killed by {describe_exit(root.returncode)}"
     else:
         what = f"rank {root.rank} failed first: {exit_words(root.returncode)}"
-    if root.fatal_dump.strip():
+    crash_frames = main_thread_frames(root.fatal_dump, TRACEBACK_TAIL_LINES) \
+        if root.fatal_dump.strip() else []
+    if crash_frames:
         first = root.fatal_dump.strip().splitlines()[0]
-        details.append((f"Python stack of rank {root.rank} at the crash ({first})",
-                        main_thread_frames(root.fatal_dump, TRACEBACK_TAIL_LINES)))
-    elif not err and root.stderr_tail:
+        details.append((f"Python stack of rank {root.rank} at the crash ({first})", crash_frames))
+    elif not err and recorded is None and root.stderr_tail:
         details.append((f"last lines rank {root.rank} wrote to stderr", root.stderr_tail[-8:]))
 
-    text = "\n".join([str(err.get("traceback", "")), *root.stderr_tail, root.fatal_dump])
+    text = "\n".join([str(err.get("traceback", "")), *root.stderr_tail, root.fatal_dump,
+                      recorded.traceback or recorded.message if recorded is not None else ""])
     diag = _explain(text)
     code, why, fix = "RANK_FAILED", None, None
     if diag is not None:
@@ -278,7 +297,11 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
         why = why or sig_why
         fix = fix or sig_fix
-    if fix is None and err:
+    if err.get("type") == "SyntaxError" and not outcome.plan.config.module \
+            and not outcome.plan.config.target.endswith(".py"):
+        fix = (f"if {outcome.plan.config.target} is not a Python script (a shell script, a "
+               "binary), run it with --no-python, as torchrun")
+    if fix is None and (err or recorded is not None):
         fix = f"the traceback below is rank {root.rank}'s own; the other ranks were stopped"
 
     how = exit_words(root.returncode)
@@ -294,6 +317,9 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
             echo = ", an echo of it" if is_echo(e) else ""
             line += f" (failed after rank {root.rank}{echo})"
         evidence.append(line)
+    if recorded is not None:
+        when = f", recorded {recorded.time_text}" if recorded.time_text else ""
+        evidence.append(f"torch's error file: {escape_untrusted(recorded.path, 500)}{when}")
     if outcome.peers is not None and outcome.peers.abort_sent:
         evidence.append("the other nodes were told through the job's store (gpuwarden/abort) "
                         "and stop their ranks")
@@ -305,6 +331,10 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         fields["signal"] = signal_name(-root.returncode)
     if err:
         fields["exception"] = err.get("type")
+    elif recorded is not None and recorded.exception_type:
+        fields["exception"] = recorded.exception_type
+    if recorded is not None:
+        fields["error_file"] = recorded.path
     if diag is not None and diag.fields:
         fields["explain"] = dict(diag.fields)  # what explain read in the rank's output (typed)
     exit_code = 1 if raised_then_killed else shell_exit_code(root.returncode)

@@ -47,10 +47,14 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
             config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
     taken = take_gpus(config, inventory)
     own_dir = run_dir is None
+    errors_only: str | None = None
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     try:
         run_id = config.run_id or _run_id(config)
         log_run_dir = _log_run_dir(config, run_id)
+        if log_run_dir is None:
+            # torch's error files go where torchrun puts them, a /tmp/torchelastic_* tree
+            log_run_dir = errors_only = _error_file_dir(run_id)
 
         def run_attempt(attempt: int, gpus: tuple[GPUSnapshot, ...],
                         notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
@@ -63,10 +67,10 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
                                  log_run_dir=log_run_dir, argv=argv)
             for note in (*notes, *(plan.notes if attempt == 0 else ())):
                 print(f"gpuwarden: {note}", file=err)
-            return _supervise(plan, stdout, stderr, err)
+            return _supervise(plan, stdout, stderr, err, inherit_stdin=argv is None)
 
         notes = [*taken.notes]
-        if log_run_dir is not None:
+        if log_run_dir != errors_only:
             notes.append(f"log directory: {log_run_dir}")
         if not config.max_restarts:
             return run_attempt(0, taken.gpus, tuple(notes))
@@ -77,6 +81,8 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
         taken.release()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
+        if errors_only is not None:
+            _drop_if_no_error_file(os.path.dirname(errors_only))
 
 
 def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, ...], *,
@@ -134,8 +140,8 @@ def _attempt_dir(work: str, attempt: int) -> str:
 
 
 def _supervise(plan: LaunchPlan, stdout: TextIO | None, stderr: TextIO | None,
-               err: TextIO) -> tuple[LaunchReport, RunOutcome]:
-    supervisor = Supervisor(plan, stdout=stdout, stderr=stderr)
+               err: TextIO, *, inherit_stdin: bool = True) -> tuple[LaunchReport, RunOutcome]:
+    supervisor = Supervisor(plan, stdout=stdout, stderr=stderr, inherit_stdin=inherit_stdin)
 
     def on_stall(stall: Stall) -> None:
         print(stall_report(supervisor.outcome(stall.detected_at), stall).render()
@@ -157,6 +163,23 @@ def _log_run_dir(config: LaunchConfig, run_id: str) -> str | None:
     os.makedirs(base, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
     return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+
+
+def _error_file_dir(run_id: str) -> str:
+    """Without --log-dir, torchrun's agent makes ``/tmp/torchelastic_<random>/<run id>_<random>``
+    for its ranks' error files (TORCHELASTIC_ERROR_FILE): the same here."""
+    base = tempfile.mkdtemp(prefix="torchelastic_")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
+    return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+
+
+def _drop_if_no_error_file(base: str) -> None:
+    """Keep the error-file tree when a rank wrote an error file (the report names it), remove it
+    when it holds nothing but empty rank directories: torchrun leaves one behind on every run."""
+    for _dirpath, _dirs, files in os.walk(base):
+        if files:
+            return
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _run_id(config: LaunchConfig) -> str:

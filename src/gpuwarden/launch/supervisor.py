@@ -28,14 +28,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 
 from gpuwarden.launch import control, flight_recorder
 from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
 from gpuwarden.launch.pcontext import ProcessContext
 from gpuwarden.launch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
-from gpuwarden.launch.relay import JobRelay, RankRelay
+from gpuwarden.launch.relay import JobRelay, RankRelay, RankStdio
 from gpuwarden.launch.sampler import RankSampler, make_request_fifo, sample_interval
 from gpuwarden.launch.stall import (
     RankView,
@@ -46,6 +46,7 @@ from gpuwarden.launch.stall import (
 )
 from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_paths
 from gpuwarden.launch.straggler import Straggler, decide_straggler
+from gpuwarden.launch.torch_errors import TorchError, read_torch_error
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
@@ -71,6 +72,7 @@ class RankExit:
     fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
     stderr_tail: list[str] = field(default_factory=list)
     killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
+    torch_error: TorchError | None = None  # what it recorded in TORCHELASTIC_ERROR_FILE
 
     @property
     def failed(self) -> bool:
@@ -112,9 +114,10 @@ class RunOutcome:
 
 class _Rank:
     def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], status: StatusReader,
-                 relay: RankRelay) -> None:
+                 relay: RankRelay, stdio: RankStdio) -> None:
         self.spec = spec
         self.proc = proc
+        self.stdio = stdio  # the ends of its stdout and stderr this process reads
         self.pgid = proc.pid  # start_new_session: the rank leads its own group
         self.status = status
         self.relay = relay
@@ -126,8 +129,11 @@ class Supervisor:
     """Runs one plan. ``run()`` returns when every rank has ended and every group is reaped."""
 
     def __init__(self, plan: LaunchPlan, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 poll_interval_s: float = 0.05) -> None:
+                 poll_interval_s: float = 0.05, inherit_stdin: bool = True) -> None:
         self.plan = plan
+        # torchrun's ranks read the launcher's stdin (pdb, piped input); spawn()'s, as
+        # multiprocessing's children, read nothing.
+        self.inherit_stdin = inherit_stdin
         self.config = plan.config
         self.out = stdout or sys.stdout
         self.err = stderr or sys.stderr
@@ -206,12 +212,20 @@ class Supervisor:
         env = dict(os.environ)
         env.update(spec.env)
         assert self._ctx is not None
-        proc = self._ctx.start(spec.argv, env)
-        rank = _Rank(spec, proc, status, self.relay.open_rank(spec.rank, spec.local_rank))
-        for stream in (proc.stdout, proc.stderr):
-            assert stream is not None
-            os.set_blocking(stream.fileno(), False)
-            self._sel.register(stream.fileno(), selectors.EVENT_READ, (rank, stream))
+        relay = self.relay.open_rank(spec.rank, spec.local_rank)
+        stdio = relay.open_stdio()
+        try:
+            proc = self._ctx.start(spec.argv, env,
+                                   stdin=None if self.inherit_stdin else subprocess.DEVNULL,
+                                   stdout=stdio.child_out, stderr=stdio.child_err)
+        except BaseException:
+            stdio.started()
+            stdio.close()
+            raise
+        stdio.started()
+        rank = _Rank(spec, proc, status, relay, stdio)
+        for fd, is_err in stdio.reads:
+            self._sel.register(fd, selectors.EVENT_READ, (rank, is_err))
         self.ranks.append(rank)
 
     def _loop(self) -> None:
@@ -398,6 +412,7 @@ class Supervisor:
                 killed_by_launcher=self._killed and code == -signal.SIGKILL,
                 error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal))
             if code != 0:
+                r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
                 self._drain(r)
                 r.exit.stderr_tail = list(r.relay.stderr_tail)
@@ -423,9 +438,7 @@ class Supervisor:
             self._sel.unregister(key.fd)
         self._sel.close()
         for r in self.ranks:
-            for stream in (r.proc.stdout, r.proc.stderr):
-                if stream is not None:
-                    stream.close()
+            r.stdio.close()
             if r.sampler is not None:
                 r.sampler.close()
             r.status.close()
@@ -448,30 +461,30 @@ class Supervisor:
             if key.data is self.calls:  # a status/stacks request: run_pending() follows
                 self.calls.clear_wakeups()
                 continue
-            rank, stream = key.data
+            rank, is_err = key.data
             got = True
-            self._read_stream(rank, stream)
+            self._read_stream(rank, key.fd, is_err)
         return got
 
     def _drain(self, rank: _Rank) -> None:
-        for stream in (rank.proc.stdout, rank.proc.stderr):
-            if stream is not None and stream.fileno() in {k.fd for k in self._sel.get_map().values()}:
-                self._read_stream(rank, stream)
+        registered = {k.fd for k in self._sel.get_map().values()}
+        for fd, is_err in rank.stdio.reads:
+            if fd in registered:
+                self._read_stream(rank, fd, is_err)
 
-    def _read_stream(self, rank: _Rank, stream: IO[bytes]) -> None:
-        fd = stream.fileno()
+    def _read_stream(self, rank: _Rank, fd: int, is_err: bool) -> None:
         while True:
             try:
                 data = os.read(fd, 65536)
             except BlockingIOError:
                 return
-            except OSError:
+            except OSError:  # EIO: the rank's end of its pseudo-terminal is closed
                 data = b""
             if not data:
                 self._sel.unregister(fd)
-                rank.relay.finish(stream is rank.proc.stderr)
+                rank.relay.finish(is_err)
                 return
-            rank.relay.feed(stream is rank.proc.stderr, data)
+            rank.relay.feed(is_err, data)
 
     # ---- stalls ----------------------------------------------------------------------------
 
