@@ -126,6 +126,11 @@ class Finding(findings.Finding):
     # Typed evidence (pid, rank, gpu, host, port, bytes, exception, frame...): what the
     # details say, for programs (`explain --json`, the launcher, scripts).
     fields: dict[str, Any] = field(default_factory=dict)
+    # How the root cause is chosen (not part of the answer): seen only by weak signatures
+    # (a retry warning, an abort), and the codes the lines that identified it are echoes
+    # of, besides the code's own echo_of.
+    weak: bool = field(default=False, compare=False)
+    echo_of: frozenset[str] = field(default=frozenset(), compare=False)
 
     @property
     def title(self) -> str:
@@ -440,9 +445,20 @@ class Explainer:
                 evidence.append(EvidenceLine(h.line, h.text))
                 seen_lines.add(h.line)
         first = min((h for si in identifying for h in state.hits[si]), key=lambda h: h.line)
-        best = max(entry.signatures[si].confidence for si in identifying)
+        sigs = [entry.signatures[si] for si in identifying]
+        strong = [s for s in sigs if not s.weak]
+        best = max(s.confidence for s in (strong or sigs))
+        # a signature naming a special case of the code says its own cause and fix: the one
+        # that matched first
+        earliest = {si: min(h.line for h in state.hits[si]) for si in identifying}
+        special = min((si for si in identifying if entry.signatures[si].why
+                       or entry.signatures[si].fix), key=earliest.__getitem__, default=None)
+        why, fix = entry.why, entry.fix
+        if special is not None:
+            why = entry.signatures[special].why or why
+            fix = entry.signatures[special].fix or fix
         # Several independent signatures agreeing make the call firmer, never certain.
-        confidence = round(min(0.99, best + 0.02 * (len(identifying) - 1)), 2)
+        confidence = round(min(0.99, best + 0.02 * (len(strong or sigs) - 1)), 2)
         fields = dict(state.fields)
         first_rank = first.rank
         if first_rank is None:  # "rank : 3 (local_rank: 3)", "local_rank: 3 (pid: ...)"
@@ -451,10 +467,11 @@ class Explainer:
         if first_rank is not None:
             fields.setdefault("rank", first_rank)
         return Finding(
-            code=entry.code, what=entry.title, confidence=confidence, why=entry.why,
-            fix=entry.fix, next=entry.next, evidence=evidence, details=list(state.details),
+            code=entry.code, what=entry.title, confidence=confidence, why=why,
+            fix=fix, next=entry.next, evidence=evidence, details=list(state.details),
             first_line=first.line, first_rank=first_rank, ranks=sorted(state.ranks),
             matches=sum(state.counts[si] for si in valid), fields=fields,
+            weak=not strong, echo_of=frozenset.intersection(*(s.echo_of for s in sigs)),
         )
 
 
@@ -465,14 +482,19 @@ def _greater(m: re.Match[str], a: str, b: str) -> bool:
         return False
 
 
+def _echo_of(f: Finding, kb: KnowledgeBase) -> frozenset[str]:
+    """The codes ``f`` is an echo of: its code's, and those of the lines that identified it."""
+    return kb.entry(f.code).echo_of | f.echo_of
+
+
 def _is_echo(f: Finding, found: list[Finding], kb: KnowledgeBase) -> bool:
-    echo_of = kb.entry(f.code).echo_of
+    echo_of = _echo_of(f, kb)
     for g in found:
         if g.code == f.code:
             continue
         if g.code in echo_of:
             return True
-        if ANY_CODE in echo_of and ANY_CODE not in kb.entry(g.code).echo_of:
+        if ANY_CODE in echo_of and ANY_CODE not in _echo_of(g, kb):
             return True
     return False
 
@@ -481,16 +503,20 @@ def rank_findings(findings: list[Finding], *, lines_read: int, bytes_read: int,
                   source: str, kb: KnowledgeBase) -> Diagnosis:
     """Choose the root cause among ``findings``: the earliest code that is not an echo.
 
-    A code is an echo when a code named in its ``echo_of`` was also seen (``"*"``:
-    any code that is not itself an echo of everything). If every code is an echo
-    of another (a cycle), the earliest one wins.
+    A code is an echo when a code named in its ``echo_of`` (or in that of the signatures
+    that identified it) was also seen (``"*"``: any code that is not itself an echo of
+    everything). If every code is an echo of another (a cycle), the earliest one wins.
+    Among the rest, a specific code comes before a generic one (a rank's bare exception),
+    and that before a code seen only by weak signatures.
     """
     if not findings:
         return Diagnosis(NONE_FINDING, [], lines_read, bytes_read, source)
     echoes = {f.code for f in findings if _is_echo(f, findings, kb)}
     pool = [f for f in findings if f.code not in echoes] or findings
-    # a rank's bare exception is the answer only when nothing more specific explains the log
-    pool = [f for f in pool if not kb.entry(f.code).generic] or pool
+    # a rank's bare exception is the answer only when nothing more specific explains the log,
+    # and a weak trace (a retry warning, an abort) only when not even that was found
+    pool = ([f for f in pool if not f.weak and not kb.entry(f.code).generic]
+            or [f for f in pool if not f.weak] or pool)
 
     def order(f: Finding) -> tuple[int, float]:
         return (f.first_line if f.first_line is not None else 1 << 62, -f.confidence)
