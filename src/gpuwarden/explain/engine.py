@@ -31,6 +31,7 @@ the rendered text.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ from typing import Any
 from gpuwarden import findings
 from gpuwarden.errors import UsageError
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
+from gpuwarden.explain.normalize import normalize
 from gpuwarden.explain.prefilter import BLOCK_BYTES, PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
 from gpuwarden.findings import EvidenceLine
 from gpuwarden.units import parse_size
@@ -55,6 +57,8 @@ FIELD_RECORDS_KEPT = 16          # records per list field (the processes of an O
 VALUES_KEPT = 8                  # values remembered per `distinct` signature
 FRAMES_KEPT = 256                # ranks whose last traceback frame is remembered
 REPLAN_BLOCKS = 16               # re-choose the prefilter's anchors this often (logs change)
+JOIN_LINES = 2                   # a wrapped message is looked for over this many more lines
+WRAP_SEARCH_BYTES = 256 << 10    # blocks this small are also searched across line breaks
 
 NONE_CODE = "NONE"
 
@@ -222,9 +226,13 @@ class Explainer:
     stays bounded whatever the log size.
     """
 
-    def __init__(self, kb: KnowledgeBase, source: str = "<text>") -> None:
+    def __init__(self, kb: KnowledgeBase, source: str = "<text>", *,
+                 normalize_lines: bool = True) -> None:
         self._kb = kb
         self._source = source
+        # normalize_lines=False matches the lines as they are (ANSI colours removed only):
+        # benchmarks/explain_throughput.py measures what the normalizer costs with it
+        self._normalize = normalize_lines
         self._states = [_CodeState([[] for _ in e.signatures], [0] * len(e.signatures))
                         for e in kb.entries]
         # keyword -> the codes it belongs to and the contexts it proves
@@ -322,17 +330,28 @@ class Explainer:
                 i = low.find(anchor, end)
         if len(self._contexts_seen) != contexts_before:
             self._plan = None  # a context is proven: its keywords need no more looking for
+        wrapped: dict[int, tuple[bytes, set[int]]] = {}
+        if self._normalize and len(block) <= WRAP_SEARCH_BYTES:
+            wrapped = self._wrapped_hits(block, low)
         line_no = self._lines + 1
         pos = 0
-        for start in sorted(wanted.keys() | frames):
+        for start in sorted(wanted.keys() | frames | wrapped.keys()):
             line_no += block.count(b"\n", pos, start)
             pos = start
             end = block.find(b"\n", start)
             raw = block[start:] if end < 0 else block[start:end]
             if start in frames:
                 self._note_frame(raw)
+            missed: set[int] = set()
             if start in wanted:
-                self._match_line(raw, line_no, wanted[start])
+                missed = self._match_line(raw, line_no, wanted[start])
+            if missed and self._normalize and end >= 0:
+                # a message wrapped onto the next lines (a terminal's width, dmesg, a forum)
+                self._match_joined(raw, block, end, line_no, missed)
+            if start in wrapped:
+                joiner, codes = wrapped[start]
+                self._match_joined(raw, block, end, line_no, codes, joiners=(joiner,),
+                                   continuation_only=False)
         newlines = block.count(b"\n")
         self._lines += newlines
         self._partial = not block.endswith(b"\n")
@@ -347,12 +366,106 @@ class Explainer:
             self._last_frame.clear()
         self._last_frame[rank] = f"{m.group('file')}:{m.group('line')} in {m.group('func')}"
 
-    def _match_line(self, raw: bytes, line_no: int, code_ids: set[int]) -> None:
-        text = strip_ansi(raw.decode("utf-8", "replace")).rstrip("\r")
-        # tqdm redraws with \r: keep the line readable as one piece of evidence
-        text = text.replace("\r", " ⏎ ")
-        rank: int | None = None
-        rank_known = False
+    def _pieces(self, raw: bytes, *, plain: bool = False) -> list[tuple[str, int | None]]:
+        """The logical lines of a raw line, normalized, each with the rank of its prefix
+        (``plain``: as it is, colours removed)."""
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        if plain or not self._normalize:
+            # tqdm redraws with \r: keep the line readable as one piece of evidence
+            return [(strip_ansi(text).replace("\r", " ⏎ "), None)]
+        out: list[tuple[str, int | None]] = []
+        for segment in text.split("\r") if "\r" in text else (text,):
+            if segment.strip():
+                out += normalize(segment)  # what a terminal shows of a \r-redrawn line
+        return out
+
+    def _match_line(self, raw: bytes, line_no: int, code_ids: set[int]) -> set[int]:
+        """Match a hit line; return the specific codes its keywords named but nothing matched."""
+        missed = {ci for ci in code_ids if not self._kb.entries[ci].generic}
+        # a line only a catch-all's keyword led here ("error" in a warning) needs normalizing
+        # only when it could hold an exception: most such lines of a long log do not
+        plain = self._normalize and not missed and _GENERIC_HINT.search(raw) is None
+        for text, rank in self._pieces(raw, plain=plain):
+            missed -= self._match_text(text, rank, line_no, code_ids)
+        return missed
+
+    def _match_joined(self, raw: bytes, block: bytes, end: int, line_no: int,
+                      code_ids: set[int], *, joiners: tuple[str, ...] = (" ", ""),
+                      continuation_only: bool = True) -> None:
+        """Match the codes ``code_ids`` on this line joined with the next (up to JOIN_LINES)."""
+        pieces = self._pieces(raw)
+        if not pieces or end < 0:
+            return
+        text, rank = pieces[-1]
+        following: list[str] = []
+        pos = end + 1
+        for _ in range(JOIN_LINES):
+            if pos >= len(block):
+                break
+            nxt_end = block.find(b"\n", pos)
+            nxt = block[pos:] if nxt_end < 0 else block[pos:nxt_end]
+            nxt_text = nxt.decode("utf-8", "replace").rstrip("\r")
+            if continuation_only and not _continues(text if not following else following[-1],
+                                                    nxt_text):
+                break
+            nxt_pieces = normalize(nxt_text)
+            if not nxt_pieces:
+                break
+            body, nxt_rank = nxt_pieces[0]
+            if nxt_rank is not None:
+                if nxt_rank != rank:
+                    break  # another rank's line, not a continuation
+                body = body.split("]: ", 1)[-1] if body.startswith("[rank") else body
+            following.append(body.strip())
+            for joiner in joiners:
+                joined = text.rstrip() + joiner + joiner.join(following)
+                code_ids = code_ids - self._match_text(joined, rank, line_no, code_ids)
+                if not code_ids:
+                    return
+            if nxt_end < 0:
+                break
+            pos = nxt_end + 1
+
+    def _wrapped_hits(self, block: bytes, low: bytes) -> dict[int, tuple[str, set[int]]]:
+        """Keywords cut by a line break (a terminal wrapped the message mid-word or between
+        words): the start of the line each begins on, with the joiner and the codes."""
+        found: dict[int, tuple[str, set[int]]] = {}
+        lines = low.split(b"\n")
+        if len(lines) < 2:
+            return found
+        starts: list[int] = []
+        offset = 0
+        for line in lines:
+            starts.append(offset)
+            offset += len(line) + 1
+        for joiner in (b" ", b""):
+            parts = [line.strip() for line in lines]
+            glued = joiner.join(parts)
+            # where each line's stripped text begins in `glued`
+            where: list[int] = []
+            at = 0
+            for part in parts:
+                where.append(at)
+                at += len(part) + len(joiner)
+            for needle, code_ids, _ in self._needles:
+                if not code_ids:
+                    continue
+                i = glued.find(needle)
+                while i >= 0:
+                    k = bisect.bisect_right(where, i) - 1
+                    if i + len(needle) > where[k] + len(parts[k]):  # it runs past its line
+                        entry = found.setdefault(starts[k], (joiner.decode(), set()))
+                        if entry[0] == joiner.decode():
+                            entry[1].update(code_ids)
+                    i = glued.find(needle, i + 1)
+        return found
+
+    def _match_text(self, text: str, prefix_rank: int | None, line_no: int,
+                    code_ids: set[int]) -> set[int]:
+        """Try the codes ``code_ids`` on one logical line; return the codes that matched."""
+        matched: set[int] = set()
+        rank: int | None = prefix_rank
+        rank_known = prefix_rank is not None
         explained = False  # a specific code identified this line: generic codes skip it
         entries = self._kb.entries
         for ci in sorted(code_ids, key=lambda c: (entries[c].generic, c)):
@@ -368,6 +481,7 @@ class Explainer:
                     rank, rank_known = rank_of(text), True
                 if not sig.supporting:
                     explained = True
+                matched.add(ci)
                 state.counts[si] += 1
                 if len(state.hits[si]) < EVIDENCE_PER_SIGNATURE:
                     state.hits[si].append(_Hit(line_no, _cut(text, m.start()), rank))
@@ -396,6 +510,7 @@ class Explainer:
                                             for k, v in dm.groupdict().items() if v is not None})
                     else:
                         self._take_fields(state, dm, rank, last=detail.last)
+        return matched
 
     def _take_fields(self, state: _CodeState, m: re.Match[str], rank: int | None,
                      *, last: bool) -> None:
@@ -473,6 +588,20 @@ class Explainer:
             matches=sum(state.counts[si] for si in valid), fields=fields,
             weak=not strong, echo_of=frozenset.intersection(*(s.echo_of for s in sigs)),
         )
+
+
+# What every signature of the catch-all codes (RANK_FAILED) needs on its line.
+_GENERIC_HINT = re.compile(rb"(?:Error|Exception)(?::|\s*$)|exitcode|following error")
+_NEW_RECORD = re.compile(r"\s*(?:Traceback \(|File \"|During handling|The above exception"
+                         r"|\[?\d{4}-\d\d-\d\d|[A-Z]\d{4} \d\d:|\[[A-Z][ \d])")
+
+
+def _continues(text: str, nxt: str) -> bool:
+    """Whether ``nxt`` looks like the rest of ``text`` wrapped onto another line: it is
+    indented, or ``text`` filled a terminal's width, and ``nxt`` starts no new record."""
+    if not nxt.strip() or _NEW_RECORD.match(nxt):
+        return False
+    return nxt[:1] in " \t" or len(text) >= 64 or nxt[:1].islower()
 
 
 def _greater(m: re.Match[str], a: str, b: str) -> bool:
