@@ -117,8 +117,8 @@ def clean(text: str) -> str:
         if "\u241b" in text:
             text = _ANSI.sub("", text)
         if _MAYBE_BOX.search(text):
-            text = _BOX_RUN.sub(" ", text)
-            text = _BOX_TAIL.sub("", _BOX_LEAD.sub("", text)).rstrip()
+            text = _BOX_TAIL.sub("", _BOX_LEAD.sub("", text))
+            text = _BOX_RUN.sub(" ", text).strip()
         text = text.translate(_TYPOGRAPHY)
     if "\x1b" in text or "^[" in text:
         text = _ANSI.sub("", text)
