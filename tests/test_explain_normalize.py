@@ -209,6 +209,12 @@ def test_a_message_a_terminal_wrapped_mid_word_is_still_recognised() -> None:
     assert explain_text(cut_keyword).primary.code == "CUDA_DEVICE_ASSERT"
 
 
+def test_colours_inside_a_message_do_not_hide_it() -> None:
+    for text in ("RuntimeError: CUDA error: \x1b[1mout of\x1b[0m memory\n",
+                 "RuntimeError: CUDA error: [1mout of[0m memory\n"):  # the escape byte lost
+        assert explain_text(text).primary.code == "CUDA_OOM", text
+
+
 def test_a_driver_message_over_three_dmesg_lines_is_one_message() -> None:
     # NVIDIA/NVSentinel/issues/155, with dmesg -T's time instead of the seconds
     text = ("[Mon Jun  2 13:13:04 2025] NVRM: The NVIDIA GPU 0000:b3:00.0\n"

@@ -63,6 +63,8 @@ WRAP_SEARCH_BYTES = 256 << 10    # blocks this small are also searched across li
 NONE_CODE = "NONE"
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# colours in a lower-cased block, with or without their escape byte (a pasted log lost it)
+_ANSI_BYTES = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\[(?:\d{1,3};)*\d{1,3}[mk]")
 # Rank prefixes, tried in order on the start of a line (after ANSI colours are gone):
 # torch's own "[rank1]:" and gpuwarden launch's "[rank1]: ", torchrun --tee's
 # "[default0]:" (role + local rank), mpirun --tag-output's "[1,3]<stdout>:", and
@@ -330,9 +332,11 @@ class Explainer:
                 i = low.find(anchor, end)
         if len(self._contexts_seen) != contexts_before:
             self._plan = None  # a context is proven: its keywords need no more looking for
-        wrapped: dict[int, tuple[bytes, set[int]]] = {}
+        wrapped: dict[int, dict[str, set[int]]] = {}
         if self._normalize and len(block) <= WRAP_SEARCH_BYTES:
-            wrapped = self._wrapped_hits(block, low)
+            inside, wrapped = self._wrapped_hits(low)
+            for start, codes in inside.items():
+                wanted.setdefault(start, set()).update(codes)
         line_no = self._lines + 1
         pos = 0
         for start in sorted(wanted.keys() | frames | wrapped.keys()):
@@ -348,8 +352,7 @@ class Explainer:
             if missed and self._normalize and end >= 0:
                 # a message wrapped onto the next lines (a terminal's width, dmesg, a forum)
                 self._match_joined(raw, block, end, line_no, missed)
-            if start in wrapped:
-                joiner, codes = wrapped[start]
+            for joiner, codes in wrapped.get(start, {}).items():
                 self._match_joined(raw, block, end, line_no, codes, joiners=(joiner,),
                                    continuation_only=False)
         newlines = block.count(b"\n")
@@ -426,23 +429,28 @@ class Explainer:
                 break
             pos = nxt_end + 1
 
-    def _wrapped_hits(self, block: bytes, low: bytes) -> dict[int, tuple[str, set[int]]]:
-        """Keywords cut by a line break (a terminal wrapped the message mid-word or between
-        words): the start of the line each begins on, with the joiner and the codes."""
-        found: dict[int, tuple[str, set[int]]] = {}
+    def _wrapped_hits(self, low: bytes) -> tuple[dict[int, set[int]],
+                                                 dict[int, dict[str, set[int]]]]:
+        """Keywords the plain search cannot see in a small block: cut by colour codes inside a
+        line ("out of\\x1b[0m memory"), or by a line break (a terminal wrapped the message
+        mid-word or between words). Returns the lines holding such a keyword whole, by their
+        start offset, with its codes; and the lines one begins on, with the joiner and codes."""
+        inside: dict[int, set[int]] = {}
+        spanning: dict[int, dict[str, set[int]]] = {}
         lines = low.split(b"\n")
-        if len(lines) < 2:
-            return found
+        if len(lines) < 2 and b"[" not in low:
+            return inside, spanning
         starts: list[int] = []
         offset = 0
         for line in lines:
             starts.append(offset)
             offset += len(line) + 1
+        parts = [(_ANSI_BYTES.sub(b"", line) if b"[" in line else line).strip() for line in lines]
+        coloured = {k for k, line in enumerate(lines) if b"[" in line and len(parts[k]) < len(
+            line.strip())}
         for joiner in (b" ", b""):
-            parts = [line.strip() for line in lines]
             glued = joiner.join(parts)
-            # where each line's stripped text begins in `glued`
-            where: list[int] = []
+            where: list[int] = []  # where each line's text begins in `glued`
             at = 0
             for part in parts:
                 where.append(at)
@@ -454,11 +462,12 @@ class Explainer:
                 while i >= 0:
                     k = bisect.bisect_right(where, i) - 1
                     if i + len(needle) > where[k] + len(parts[k]):  # it runs past its line
-                        entry = found.setdefault(starts[k], (joiner.decode(), set()))
-                        if entry[0] == joiner.decode():
-                            entry[1].update(code_ids)
+                        spanning.setdefault(starts[k], {}).setdefault(
+                            joiner.decode(), set()).update(code_ids)
+                    elif k in coloured and joiner:
+                        inside.setdefault(starts[k], set()).update(code_ids)
                     i = glued.find(needle, i + 1)
-        return found
+        return inside, spanning
 
     def _match_text(self, text: str, prefix_rank: int | None, line_no: int,
                     code_ids: set[int]) -> set[int]:
