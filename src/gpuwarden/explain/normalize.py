@@ -42,6 +42,8 @@ _MAYBE_BOX = re.compile(rf"[{_BOX_CHARS}\ufffdΓâÔ鈹鈺鉂]")
 # Markdown around a pasted log: a quote mark, emphasis, a line in backticks, escapes.
 _MD_QUOTE = re.compile(r"^(?:[ \t]*>)+[ \t]?")
 _MD_ESCAPE = re.compile(r"\\([_*\[\]`#<>|])")
+# **strong**, not "*** SIGABRT received at time=... ***" (abseil's failure handler)
+_MD_STRONG = re.compile(r"(?<!\*)\*\*(?![\s*])(.+?)(?<![\s*])\*\*(?!\*)")
 _TYPOGRAPHY = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"',
                              "\u00a0": " ", "\u2007": " ", "\u202f": " ", "\u200b": None,
                              "\ufeff": None})
@@ -127,7 +129,7 @@ def clean(text: str) -> str:
     if ">" in text:
         text = _MD_QUOTE.sub("", text)
     if "**" in text:
-        text = text.replace("**", "")
+        text = _MD_STRONG.sub(r"\1", text)
     if "`" in text:
         stripped = text.strip()
         if stripped.startswith("```"):
