@@ -222,7 +222,7 @@ def test_windows_port_in_use_in_any_language_and_its_harmless_10049_warning() ->
                 "is not valid in its context.).\n") == NONE_CODE
 
 
-# -- the wordings the first held-back measurement missed (fixed after it, see docs/explain.md) --
+# -- the wordings the held-back measurements missed (fixed after them, see docs/explain.md) ------
 
 @pytest.mark.parametrize("text, want", [
     # NCCL 2.14's IB size check: the request, tag and peer come before the words
@@ -248,6 +248,12 @@ def test_windows_port_in_use_in_any_language_and_its_harmless_10049_warning() ->
     # the elastic agent's store error, its message cut off
     ('  File "torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 119, in '
      '_call_store\n    raise RendezvousConnectionError(\n', "RDZV_STORE_LOST"),
+    # found missing by the second batch: CUDA 8's wording of a missing kernel, another library's
+    # wording of CUDA error 2
+    ("torch.rand(2, 2).cuda().sum()\nRuntimeError: CUDA error: invalid device function\n",
+     "CUDA_NO_KERNEL_IMAGE"),
+    ("cuda failed with error 2 out of memory. use CUDA_LAUNCH_BLOCKING=1 to get correct "
+     "traceback.\n", "CUDA_OOM"),
 ])
 def test_wordings_found_missing_by_the_held_back_split(text: str, want: str) -> None:
     assert code(text) == want
@@ -273,3 +279,12 @@ def test_signature_options_are_validated() -> None:
                 {"pattern": "x", "why": ""}):
         with pytest.raises(KnowledgeBaseError):
             parse_knowledge(_kb(bad))
+
+
+def test_torchruns_padded_report_names_the_crashed_rank() -> None:
+    # NVIDIA/Megatron-LM/issues/1880: the root-cause box padded to a wide terminal
+    box = ("  rank      : 0 (local_rank: 0)                                          \n"
+           "  exitcode  : -11 (pid: 3304209)                                         \n"
+           "  traceback : Signal 11 (SIGSEGV) received by PID 3304209                \n")
+    diag = explain_text(box)
+    assert (diag.primary.code, diag.primary.first_rank) == ("RANK_NATIVE_CRASH", 0)
