@@ -333,7 +333,10 @@ class Explainer:
         if len(self._contexts_seen) != contexts_before:
             self._plan = None  # a context is proven: its keywords need no more looking for
         wrapped: dict[int, dict[str, set[int]]] = {}
-        if self._normalize and len(block) <= WRAP_SEARCH_BYTES:
+        # (a piece of one line, as a live feed gives them, has no line break to look across:
+        # only colour codes inside a keyword are looked for in it)
+        if self._normalize and len(block) <= WRAP_SEARCH_BYTES and (
+                block.count(b"\n", 0, -1) or _ANSI_BYTES.search(low) is not None):
             inside, wrapped = self._wrapped_hits(low)
             for start, codes in inside.items():
                 wanted.setdefault(start, set()).update(codes)
