@@ -1,20 +1,28 @@
-"""Top-1 accuracy of ``gpuwarden explain`` on the held-back split, printed, not asserted.
+"""Top-1 accuracy of ``gpuwarden explain`` on the held-back splits, printed, not asserted.
 
-tests/explain_heldout/ holds real logs from public issue threads (``<name>.log``,
-with ``<name>.toml``: ``expected`` code, ``source`` URL, the failing ``rank`` when
-the log names one). They were collected before the v2 signatures were written and
-are not used to tune them: this script is how the knowledge base is measured on
-failures it was not fitted to. The tuning corpus (tests/explain_corpus/) is
-asserted by tests; this split is only reported, separately for the 18 original
-codes, the codes added in v2, and unrelated failures (which must get NONE).
+Two splits of real logs from public issue threads (``<name>.log``, with ``<name>.toml``:
+``expected`` code, ``source`` URL, the failing ``rank`` when the log names one), each
+collected and split before the signatures it measures were written, and never used to tune
+them (the tuning corpus, tests/explain_corpus/, is asserted by tests):
 
-    python benchmarks/explain_heldout.py [--verbose]
+* tests/explain_heldout/ (v2): 83 logs, reported for the 18 original codes, the codes added
+  in v2, and unrelated failures (which must get NONE);
+* tests/explain_heldout_v3/ (v3): logs whose ``form`` says how they reached us ("plain", or
+  the hard forms: "prefix", "wrapped", "interleaved", "truncated", "windows", "localized",
+  "ansi", "rich", "mangled", "json"), reported for plain logs, hard-form logs, the six codes
+  added in v3, and unrelated failures; then per form;
+* tests/explain_heldout_v3b/ (v3, second batch): collected after the first measurement of the
+  v3 split had been looked at and its misses fixed, to measure the fixed knowledge base on
+  logs it was not fitted to; the same groups.
+
+    python benchmarks/explain_heldout.py [--verbose] [--split v2|v3|v3b|all]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +33,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-HELDOUT = Path(__file__).resolve().parent.parent / "tests" / "explain_heldout"
-# The codes of the first knowledge base; every other code was added in v2.
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+SPLITS = {"v2": TESTS / "explain_heldout", "v3": TESTS / "explain_heldout_v3",
+          "v3b": TESTS / "explain_heldout_v3b"}
+# The codes of the first knowledge base; the v2 and v3 codes came after.
 ORIGINAL_CODES = frozenset({
     "CUDA_FORK_REINIT", "MAIN_GUARD_MISSING", "CUDA_DEVICES_BUSY", "CUDA_OOM", "CUDA_NO_DEVICE",
     "CUDA_DRIVER_TOO_OLD", "CUDA_INVALID_ORDINAL", "NCCL_DUPLICATE_GPU", "NCCL_SHM",
@@ -34,6 +44,11 @@ ORIGINAL_CODES = frozenset({
     "RDZV_PORT_IN_USE", "RDZV_DNS", "RDZV_CONNECT_TIMEOUT", "RDZV_CONN_REFUSED",
     "RDZV_WORKERS_MISSING",
 })
+V3_CODES = frozenset({
+    "COLLECTIVE_MISMATCH", "NCCL_REMOTE_ERROR", "RDZV_STORE_LOST", "RANK_NATIVE_CRASH",
+    "CUDA_NO_KERNEL_IMAGE", "CUDA_DEVICE_ASSERT",
+})
+UNRELATED = "unrelated (must be NONE)"
 
 
 @dataclass(frozen=True)
@@ -44,51 +59,92 @@ class Case:
     rank_expected: int | None
     rank_got: int | None
     source: str
+    forms: tuple[str, ...]
 
     @property
-    def group(self) -> str:
-        if self.expected == NONE_CODE:
-            return "unrelated (must be NONE)"
-        return "original 18 codes" if self.expected in ORIGINAL_CODES else "v2 codes"
+    def hard(self) -> bool:
+        return self.forms != ("plain",)
+
+    @property
+    def ok(self) -> bool:
+        return self.got == self.expected
 
 
-def run() -> list[Case]:
+def run(split: Path) -> list[Case]:
     cases = []
-    for meta_path in sorted(HELDOUT.glob("*.toml")):
+    for meta_path in sorted(split.glob("*.toml")):
         meta = tomllib.loads(meta_path.read_text(encoding="utf-8"))
         primary = explain_file(meta_path.with_suffix(".log")).primary
         cases.append(Case(meta_path.stem, meta["expected"], primary.code, meta.get("rank"),
-                          primary.first_rank, meta["source"]))
+                          primary.first_rank, meta["source"], tuple(meta.get("form", ["plain"]))))
     return cases
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--verbose", action="store_true", help="list every case, not only misses")
-    args = ap.parse_args()
-    cases = run()
-    print(f"held-back split: {len(cases)} real logs from public threads, not tuned on")
-    print(f"  {'group':<26} {'right':>5} {'cases':>5} {'top-1':>7}")
-    for group in ("original 18 codes", "v2 codes", "unrelated (must be NONE)"):
-        members = [c for c in cases if c.group == group]
-        right = sum(c.got == c.expected for c in members)
-        share = f"{right / len(members):.1%}" if members else "-"
-        print(f"  {group:<26} {right:>5} {len(members):>5} {share:>7}")
+def _v2_group(c: Case) -> str:
+    if c.expected == NONE_CODE:
+        return UNRELATED
+    return "original 18 codes" if c.expected in ORIGINAL_CODES else "v2 codes"
+
+
+def _row(label: str, members: list[Case]) -> str:
+    right = sum(c.ok for c in members)
+    share = f"{right / len(members):.1%}" if members else "-"
+    return f"  {label:<34} {right:>5} {len(members):>5} {share:>7}"
+
+
+def _report(title: str, cases: list[Case], groups: list[tuple[str, Callable[[Case], bool]]],
+            verbose: bool) -> None:
+    print(title)
+    print(f"  {'group':<34} {'right':>5} {'cases':>5} {'top-1':>7}")
+    for label, member in groups:
+        print(_row(label, [c for c in cases if member(c)]))
     false_positives = [c for c in cases if c.expected == NONE_CODE and c.got != NONE_CODE]
     print(f"  false positives: {len(false_positives)}")
-    ranked = [c for c in cases if c.rank_expected is not None and c.got == c.expected]
+    ranked = [c for c in cases if c.rank_expected is not None and c.ok]
     rank_right = sum(c.rank_got == c.rank_expected for c in ranked)
     print(f"  first failing rank named: {rank_right}/{len(ranked)} "
           "(right-code cases whose log names the rank)")
     for c in cases:
         wrong_rank = c.rank_expected is not None and c.rank_got != c.rank_expected
-        miss = c.got != c.expected or wrong_rank
-        if miss or args.verbose:
+        miss = not c.ok or wrong_rank
+        if miss or verbose:
             mark = "MISS" if miss else "ok  "
             rank = ("" if c.rank_expected is None
                     else f", rank {c.rank_got} (want {c.rank_expected})")
-            print(f"  {mark} {c.name}: expected {c.expected}, got {c.got}{rank}  {c.source}")
+            print(f"  {mark} {c.name} [{','.join(c.forms)}]: expected {c.expected}, got "
+                  f"{c.got}{rank}  {c.source}")
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--verbose", action="store_true", help="list every case, not only misses")
+    ap.add_argument("--split", choices=["v2", "v3", "v3b", "all"], default="all")
+    args = ap.parse_args()
+    if args.split in ("v2", "all"):
+        cases = run(SPLITS["v2"])
+        _report(f"held-back split v2 (tests/explain_heldout): {len(cases)} real logs, not tuned "
+                "on", cases, [(g, lambda c, g=g: _v2_group(c) == g)  # type: ignore[misc]
+                              for g in ("original 18 codes", "v2 codes", UNRELATED)],
+                args.verbose)
+    for split, title in (("v3", "held-back split v3 (tests/explain_heldout_v3)"),
+                         ("v3b", "held-back split v3, second batch (tests/explain_heldout_v3b)")):
+        if args.split not in (split, "all"):
+            continue
+        cases = run(SPLITS[split])
+        related = [c for c in cases if c.expected != NONE_CODE]
+        forms = sorted({f for c in related for f in c.forms} - {"plain"})
+        groups: list[tuple[str, Callable[[Case], bool]]] = [
+            ("plain logs (any code)", lambda c: c.expected != NONE_CODE and not c.hard),
+            ("hard-form logs (any code)", lambda c: c.expected != NONE_CODE and c.hard),
+            ("hard-form logs of older codes",
+             lambda c: c.expected not in V3_CODES | {NONE_CODE} and c.hard),
+            ("the six v3 codes (any form)", lambda c: c.expected in V3_CODES),
+            (UNRELATED, lambda c: c.expected == NONE_CODE),
+        ]
+        groups += [(f"  form: {form}", lambda c, f=form: c.expected != NONE_CODE  # type: ignore[misc]
+                    and f in c.forms) for form in forms]
+        print()
+        _report(f"{title}: {len(cases)} real logs, not tuned on", cases, groups, args.verbose)
 
 if __name__ == "__main__":
     main()

@@ -12,9 +12,12 @@ ranks' watchdog echoes near the end, then times in one run:
     keyword lines and explains nothing), when grep is installed.
 
 Also reports the peak resident memory of the explain pass (a child process), to
-show the log is never held whole. Usage:
+show the log is never held whole, and what the line normalizer costs: fresh processes
+with it and without it (``Explainer(normalize_lines=False)``), run in alternating
+pairs (--pairs), compared by their CPU time, which a machine loaded by other jobs
+disturbs far less than wall time. Usage:
 
-    python benchmarks/explain_throughput.py [--size-mb 200] [--keep PATH]
+    python benchmarks/explain_throughput.py [--size-mb 200] [--keep PATH] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,24 +108,47 @@ def grep_seconds(path: Path) -> float | None:
         os.unlink(kw.name)
 
 
-def explain_in_child(path: Path) -> tuple[float, str, int]:
-    """Time explain_file in a fresh process and read its peak RSS (KiB, Linux)."""
+def explain_in_child(path: Path, *, normalize: bool = True) -> tuple[float, float, str, int]:
+    """Run the explain pass in a fresh process: its wall and CPU seconds, the answer, and its
+    peak RSS (KiB, Linux). ``normalize=False``: without the line normalizer."""
     code = (
         "import resource, sys, time\n"
-        "from gpuwarden.explain import explain_file\n"
-        "t0 = time.perf_counter(); d = explain_file(sys.argv[1]); dt = time.perf_counter() - t0\n"
-        "print(dt, d.primary.code, d.primary.first_line,"
+        "from gpuwarden.explain import load_knowledge\n"
+        "from gpuwarden.explain.engine import Explainer\n"
+        "kb = load_knowledge()\n"
+        "t0 = time.perf_counter(); c0 = time.process_time()\n"
+        "ex = Explainer(kb, normalize_lines=sys.argv[2] == 'on')\n"
+        "with open(sys.argv[1], 'rb') as fh:\n"
+        "    for block in iter(lambda: fh.read(4 << 20), b''):\n"
+        "        ex.feed_bytes(block)\n"
+        "d = ex.result()\n"
+        "print(time.perf_counter() - t0, time.process_time() - c0, d.primary.code,"
         " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(path)], check=True,
-                         capture_output=True, text=True).stdout.split()
-    return float(out[0]), out[1], int(out[3])
+    out = subprocess.run([sys.executable, "-c", code, str(path), "on" if normalize else "off"],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1]), out[2], int(out[3])
+
+
+def normalizer_cost(path: Path, pairs: int) -> tuple[list[float], list[float]]:
+    """CPU seconds of the explain pass without and with the normalizer, in alternating pairs."""
+    off: list[float] = []
+    on: list[float] = []
+    for i in range(pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for normalize in order:
+            _, cpu, answer, _ = explain_in_child(path, normalize=normalize)
+            assert answer == "CUDA_OOM"
+            (on if normalize else off).append(cpu)
+    return off, on
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=200)
     ap.add_argument("--keep", type=Path, default=None, help="write the log here and keep it")
+    ap.add_argument("--pairs", type=int, default=3,
+                    help="runs without and with the normalizer, alternating (default 3)")
     args = ap.parse_args()
     tmpdir = tempfile.mkdtemp(prefix="gpuwarden-explain-bench-")
     path = args.keep or Path(tmpdir) / "noisy.log"
@@ -141,8 +168,9 @@ def main() -> None:
         dt = time.perf_counter() - t0
         assert diag.primary.code == "CUDA_OOM" and diag.primary.first_line == oom_line, diag
         assert [f.code for f in diag.others] == ["NCCL_WATCHDOG_TIMEOUT"]
-        child_dt, child_code, rss_kib = explain_in_child(path)
+        child_dt, _, child_code, rss_kib = explain_in_child(path)
         assert child_code == "CUDA_OOM"
+        off, on = normalizer_cost(path, args.pairs)
 
         naive_bps = naive_lines_per_s(path, max_bytes=min(size, 16 << 20))
         grep_dt = grep_seconds(path)
@@ -157,6 +185,12 @@ def main() -> None:
         if grep_dt is not None:
             print(f"{'grep -c -F -i -f keywords (counts only)':<44} {grep_dt:>9.2f} "
                   f"{mib / grep_dt:>8.1f} {grep_dt / dt:>10.2f}")
+        cpu_off, cpu_on = statistics.median(off), statistics.median(on)
+        print(f"line normalizer, {args.pairs} alternating pairs of fresh processes, CPU time: "
+              f"without {cpu_off:.2f} s ({mib / cpu_off:.1f} MiB/s), with {cpu_on:.2f} s "
+              f"({mib / cpu_on:.1f} MiB/s): {100 * (cpu_on / cpu_off - 1):+.1f} %")
+        print(f"  CPU seconds without: {' '.join(f'{x:.2f}' for x in off)}; "
+              f"with: {' '.join(f'{x:.2f}' for x in on)}")
         print(f"peak RSS of the fresh explain process: {rss_kib / 1024:.0f} MiB "
               f"for a {mib:.0f} MiB log")
         print(f"answer: {diag.primary.code} at line {diag.primary.first_line} "

@@ -7,8 +7,14 @@ name, and ``fields``, evidence the answer must carry, e.g. ``{ pid = 4242 }``).
 ``expected = "NONE"`` marks an unrelated failure that must not be given a code.
 The accuracy table is printed (pytest -s, or on failure).
 
-These logs were used while writing the signatures; the held-back split
-(tests/explain_heldout/, measured by benchmarks/explain_heldout.py) was not.
+These logs were used while writing the signatures; the held-back splits
+(tests/explain_heldout/, tests/explain_heldout_v3/, tests/explain_heldout_v3b/, measured by
+benchmarks/explain_heldout.py) were not. Only their metadata is checked here: each case's
+log, code, public source, and (v3) the forms it reached us in.
+
+The v3 cases of this corpus also carry ``form`` (how the log reached us: "plain", or the hard
+forms "prefix", "wrapped", "interleaved", "truncated", "windows", "localized", "ansi",
+"rich", "mangled", "json").
 """
 
 from __future__ import annotations
@@ -44,6 +50,27 @@ def test_every_case_has_a_log_an_expected_code_and_a_public_source() -> None:
         assert (CORPUS / f"{name}.log").is_file(), name
         assert meta["expected"] in codes, (name, meta["expected"])
         assert meta["source"].startswith("https://"), name
+
+
+HELD_BACK = [Path(__file__).parent / d for d in
+             ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b")]
+FORMS = {"plain", "prefix", "wrapped", "interleaved", "truncated", "windows", "localized", "ansi",
+         "rich", "mangled", "json"}
+
+
+def test_every_held_back_case_has_a_log_a_known_code_a_source_and_its_forms() -> None:
+    codes = set(load_knowledge().codes) | {NONE_CODE}
+    for split in [CORPUS, *HELD_BACK]:
+        for meta_path in sorted(split.glob("*.toml")):
+            meta = tomllib.loads(meta_path.read_text(encoding="utf-8"))
+            assert meta_path.with_suffix(".log").is_file(), meta_path
+            assert meta["expected"] in codes, (meta_path, meta["expected"])
+            assert meta["source"].startswith("https://"), meta_path
+            if split.name != "explain_heldout" and "form" in meta:
+                assert meta["form"] and set(meta["form"]) <= FORMS, (meta_path, meta["form"])
+    v3 = [tomllib.loads(p.read_text(encoding="utf-8")) for s in HELD_BACK[1:]
+          for p in s.glob("*.toml")]
+    assert len(v3) >= 100 and all("form" in m for m in v3)
 
 
 def test_corpus_covers_every_code_and_enough_unrelated_failures() -> None:

@@ -265,6 +265,9 @@ def test_shipped_knowledge_base_has_every_code_of_failure_codes_md() -> None:
         "NCCL_VERSION_MISMATCH", "NCCL_P2P_HANG", "NCCL_CPU_TENSOR", "DDP_UNUSED_PARAMETERS",
         "PG_NOT_INITIALIZED", "DATALOADER_FD_LIMIT", "RDZV_PORT_PERMISSION", "RDZV_STALE_STORE",
         "RDZV_STORE_MISMATCH", "GLOO_CONNECT_FAILED",
+        # v3
+        "COLLECTIVE_MISMATCH", "NCCL_REMOTE_ERROR", "RDZV_STORE_LOST", "RANK_NATIVE_CRASH",
+        "CUDA_NO_KERNEL_IMAGE", "CUDA_DEVICE_ASSERT",
     }
 
 
@@ -291,6 +294,9 @@ def _texts_of(pattern: re.Pattern[str], limit: int = 256) -> list[str]:
         if name == "ANY":
             return ["x"]
         if name == "IN":
+            if av and str(av[0][0]) == "NEGATE":  # [^...]: a character the class leaves out
+                left_out = {chr(v) for k, v in av[1:] if str(k) == "LITERAL"}
+                return [next(c for c in "xyz0 " if c not in left_out)]
             for kind, value in av:
                 k = str(kind)
                 if k == "LITERAL":

@@ -162,6 +162,7 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
         assert 'File "' + str(SCRIPTS / "crash.py") in err and "_bootstrap.py" not in err
     if mode == "segv":
         assert "Python stack of rank 1 at the crash" in err and "crash.py\", line" in err
+        assert "error[RANK_NATIVE_CRASH]" in err  # its own native code, not "a rank failed"
     if mode == "kill":
         assert "out-of-memory killer" in err
 

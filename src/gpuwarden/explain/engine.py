@@ -31,6 +31,7 @@ the rendered text.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ from typing import Any
 from gpuwarden import findings
 from gpuwarden.errors import UsageError
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase
+from gpuwarden.explain.normalize import normalize
 from gpuwarden.explain.prefilter import BLOCK_BYTES, PLAN_MIN_BYTES, SAMPLE_BYTES, plan_anchors
 from gpuwarden.findings import EvidenceLine
 from gpuwarden.units import parse_size
@@ -55,10 +57,14 @@ FIELD_RECORDS_KEPT = 16          # records per list field (the processes of an O
 VALUES_KEPT = 8                  # values remembered per `distinct` signature
 FRAMES_KEPT = 256                # ranks whose last traceback frame is remembered
 REPLAN_BLOCKS = 16               # re-choose the prefilter's anchors this often (logs change)
+JOIN_LINES = 2                   # a wrapped message is looked for over this many more lines
+WRAP_SEARCH_BYTES = 256 << 10    # blocks this small are also searched across line breaks
 
 NONE_CODE = "NONE"
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# colours in a lower-cased block, with or without their escape byte (a pasted log lost it)
+_ANSI_BYTES = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\[(?:\d{1,3};)*\d{1,3}[mk]")
 # Rank prefixes, tried in order on the start of a line (after ANSI colours are gone):
 # torch's own "[rank1]:" and gpuwarden launch's "[rank1]: ", torchrun --tee's
 # "[default0]:" (role + local rank), mpirun --tag-output's "[1,3]<stdout>:", and
@@ -126,6 +132,11 @@ class Finding(findings.Finding):
     # Typed evidence (pid, rank, gpu, host, port, bytes, exception, frame...): what the
     # details say, for programs (`explain --json`, the launcher, scripts).
     fields: dict[str, Any] = field(default_factory=dict)
+    # How the root cause is chosen (not part of the answer): seen only by weak signatures
+    # (a retry warning, an abort), and the codes the lines that identified it are echoes
+    # of, besides the code's own echo_of.
+    weak: bool = field(default=False, compare=False)
+    echo_of: frozenset[str] = field(default=frozenset(), compare=False)
 
     @property
     def title(self) -> str:
@@ -217,9 +228,13 @@ class Explainer:
     stays bounded whatever the log size.
     """
 
-    def __init__(self, kb: KnowledgeBase, source: str = "<text>") -> None:
+    def __init__(self, kb: KnowledgeBase, source: str = "<text>", *,
+                 normalize_lines: bool = True) -> None:
         self._kb = kb
         self._source = source
+        # normalize_lines=False matches the lines as they are (ANSI colours removed only):
+        # benchmarks/explain_throughput.py measures what the normalizer costs with it
+        self._normalize = normalize_lines
         self._states = [_CodeState([[] for _ in e.signatures], [0] * len(e.signatures))
                         for e in kb.entries]
         # keyword -> the codes it belongs to and the contexts it proves
@@ -317,17 +332,32 @@ class Explainer:
                 i = low.find(anchor, end)
         if len(self._contexts_seen) != contexts_before:
             self._plan = None  # a context is proven: its keywords need no more looking for
+        wrapped: dict[int, dict[str, set[int]]] = {}
+        # (a piece of one line, as a live feed gives them, has no line break to look across:
+        # only colour codes inside a keyword are looked for in it)
+        if self._normalize and len(block) <= WRAP_SEARCH_BYTES and (
+                block.count(b"\n", 0, -1) or _ANSI_BYTES.search(low) is not None):
+            inside, wrapped = self._wrapped_hits(low)
+            for start, codes in inside.items():
+                wanted.setdefault(start, set()).update(codes)
         line_no = self._lines + 1
         pos = 0
-        for start in sorted(wanted.keys() | frames):
+        for start in sorted(wanted.keys() | frames | wrapped.keys()):
             line_no += block.count(b"\n", pos, start)
             pos = start
             end = block.find(b"\n", start)
             raw = block[start:] if end < 0 else block[start:end]
             if start in frames:
                 self._note_frame(raw)
+            missed: set[int] = set()
             if start in wanted:
-                self._match_line(raw, line_no, wanted[start])
+                missed = self._match_line(raw, line_no, wanted[start])
+            if missed and self._normalize and end >= 0:
+                # a message wrapped onto the next lines (a terminal's width, dmesg, a forum)
+                self._match_joined(raw, block, end, line_no, missed)
+            for joiner, codes in wrapped.get(start, {}).items():
+                self._match_joined(raw, block, end, line_no, codes, joiners=(joiner,),
+                                   continuation_only=False)
         newlines = block.count(b"\n")
         self._lines += newlines
         self._partial = not block.endswith(b"\n")
@@ -342,12 +372,112 @@ class Explainer:
             self._last_frame.clear()
         self._last_frame[rank] = f"{m.group('file')}:{m.group('line')} in {m.group('func')}"
 
-    def _match_line(self, raw: bytes, line_no: int, code_ids: set[int]) -> None:
-        text = strip_ansi(raw.decode("utf-8", "replace")).rstrip("\r")
-        # tqdm redraws with \r: keep the line readable as one piece of evidence
-        text = text.replace("\r", " ⏎ ")
-        rank: int | None = None
-        rank_known = False
+    def _pieces(self, raw: bytes, *, plain: bool = False) -> list[tuple[str, int | None]]:
+        """The logical lines of a raw line, normalized, each with the rank of its prefix
+        (``plain``: as it is, colours removed)."""
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        if plain or not self._normalize:
+            # tqdm redraws with \r: keep the line readable as one piece of evidence
+            return [(strip_ansi(text).replace("\r", " ⏎ "), None)]
+        out: list[tuple[str, int | None]] = []
+        for segment in text.split("\r") if "\r" in text else (text,):
+            if segment.strip():
+                out += normalize(segment)  # what a terminal shows of a \r-redrawn line
+        return out
+
+    def _match_line(self, raw: bytes, line_no: int, code_ids: set[int]) -> set[int]:
+        """Match a hit line; return the specific codes its keywords named but nothing matched."""
+        missed = {ci for ci in code_ids if not self._kb.entries[ci].generic}
+        # a line only a catch-all's keyword led here ("error" in a warning) needs normalizing
+        # only when it could hold an exception: most such lines of a long log do not
+        plain = self._normalize and not missed and _GENERIC_HINT.search(raw) is None
+        for text, rank in self._pieces(raw, plain=plain):
+            missed -= self._match_text(text, rank, line_no, code_ids)
+        return missed
+
+    def _match_joined(self, raw: bytes, block: bytes, end: int, line_no: int,
+                      code_ids: set[int], *, joiners: tuple[str, ...] = (" ", ""),
+                      continuation_only: bool = True) -> None:
+        """Match the codes ``code_ids`` on this line joined with the next (up to JOIN_LINES)."""
+        pieces = self._pieces(raw)
+        if not pieces or end < 0:
+            return
+        text, rank = pieces[-1]
+        following: list[str] = []
+        pos = end + 1
+        for _ in range(JOIN_LINES):
+            if pos >= len(block):
+                break
+            nxt_end = block.find(b"\n", pos)
+            nxt = block[pos:] if nxt_end < 0 else block[pos:nxt_end]
+            nxt_text = nxt.decode("utf-8", "replace").rstrip("\r")
+            if continuation_only and not _continues(text if not following else following[-1],
+                                                    nxt_text):
+                break
+            nxt_pieces = normalize(nxt_text)
+            if not nxt_pieces:
+                break
+            body, nxt_rank = nxt_pieces[0]
+            if nxt_rank is not None:
+                if nxt_rank != rank:
+                    break  # another rank's line, not a continuation
+                body = body.split("]: ", 1)[-1] if body.startswith("[rank") else body
+            following.append(body.strip())
+            for joiner in joiners:
+                joined = text.rstrip() + joiner + joiner.join(following)
+                code_ids = code_ids - self._match_text(joined, rank, line_no, code_ids)
+                if not code_ids:
+                    return
+            if nxt_end < 0:
+                break
+            pos = nxt_end + 1
+
+    def _wrapped_hits(self, low: bytes) -> tuple[dict[int, set[int]],
+                                                 dict[int, dict[str, set[int]]]]:
+        """Keywords the plain search cannot see in a small block: cut by colour codes inside a
+        line ("out of\\x1b[0m memory"), or by a line break (a terminal wrapped the message
+        mid-word or between words). Returns the lines holding such a keyword whole, by their
+        start offset, with its codes; and the lines one begins on, with the joiner and codes."""
+        inside: dict[int, set[int]] = {}
+        spanning: dict[int, dict[str, set[int]]] = {}
+        lines = low.split(b"\n")
+        if len(lines) < 2 and b"[" not in low:
+            return inside, spanning
+        starts: list[int] = []
+        offset = 0
+        for line in lines:
+            starts.append(offset)
+            offset += len(line) + 1
+        parts = [(_ANSI_BYTES.sub(b"", line) if b"[" in line else line).strip() for line in lines]
+        coloured = {k for k, line in enumerate(lines) if b"[" in line and len(parts[k]) < len(
+            line.strip())}
+        for joiner in (b" ", b""):
+            glued = joiner.join(parts)
+            where: list[int] = []  # where each line's text begins in `glued`
+            at = 0
+            for part in parts:
+                where.append(at)
+                at += len(part) + len(joiner)
+            for needle, code_ids, _ in self._needles:
+                if not code_ids:
+                    continue
+                i = glued.find(needle)
+                while i >= 0:
+                    k = bisect.bisect_right(where, i) - 1
+                    if i + len(needle) > where[k] + len(parts[k]):  # it runs past its line
+                        spanning.setdefault(starts[k], {}).setdefault(
+                            joiner.decode(), set()).update(code_ids)
+                    elif k in coloured and joiner:
+                        inside.setdefault(starts[k], set()).update(code_ids)
+                    i = glued.find(needle, i + 1)
+        return inside, spanning
+
+    def _match_text(self, text: str, prefix_rank: int | None, line_no: int,
+                    code_ids: set[int]) -> set[int]:
+        """Try the codes ``code_ids`` on one logical line; return the codes that matched."""
+        matched: set[int] = set()
+        rank: int | None = prefix_rank
+        rank_known = prefix_rank is not None
         explained = False  # a specific code identified this line: generic codes skip it
         entries = self._kb.entries
         for ci in sorted(code_ids, key=lambda c: (entries[c].generic, c)):
@@ -363,6 +493,7 @@ class Explainer:
                     rank, rank_known = rank_of(text), True
                 if not sig.supporting:
                     explained = True
+                matched.add(ci)
                 state.counts[si] += 1
                 if len(state.hits[si]) < EVIDENCE_PER_SIGNATURE:
                     state.hits[si].append(_Hit(line_no, _cut(text, m.start()), rank))
@@ -391,6 +522,7 @@ class Explainer:
                                             for k, v in dm.groupdict().items() if v is not None})
                     else:
                         self._take_fields(state, dm, rank, last=detail.last)
+        return matched
 
     def _take_fields(self, state: _CodeState, m: re.Match[str], rank: int | None,
                      *, last: bool) -> None:
@@ -440,9 +572,20 @@ class Explainer:
                 evidence.append(EvidenceLine(h.line, h.text))
                 seen_lines.add(h.line)
         first = min((h for si in identifying for h in state.hits[si]), key=lambda h: h.line)
-        best = max(entry.signatures[si].confidence for si in identifying)
+        sigs = [entry.signatures[si] for si in identifying]
+        strong = [s for s in sigs if not s.weak]
+        best = max(s.confidence for s in (strong or sigs))
+        # a signature naming a special case of the code says its own cause and fix: the one
+        # that matched first
+        earliest = {si: min(h.line for h in state.hits[si]) for si in identifying}
+        special = min((si for si in identifying if entry.signatures[si].why
+                       or entry.signatures[si].fix), key=earliest.__getitem__, default=None)
+        why, fix = entry.why, entry.fix
+        if special is not None:
+            why = entry.signatures[special].why or why
+            fix = entry.signatures[special].fix or fix
         # Several independent signatures agreeing make the call firmer, never certain.
-        confidence = round(min(0.99, best + 0.02 * (len(identifying) - 1)), 2)
+        confidence = round(min(0.99, best + 0.02 * (len(strong or sigs) - 1)), 2)
         fields = dict(state.fields)
         first_rank = first.rank
         if first_rank is None:  # "rank : 3 (local_rank: 3)", "local_rank: 3 (pid: ...)"
@@ -451,11 +594,26 @@ class Explainer:
         if first_rank is not None:
             fields.setdefault("rank", first_rank)
         return Finding(
-            code=entry.code, what=entry.title, confidence=confidence, why=entry.why,
-            fix=entry.fix, next=entry.next, evidence=evidence, details=list(state.details),
+            code=entry.code, what=entry.title, confidence=confidence, why=why,
+            fix=fix, next=entry.next, evidence=evidence, details=list(state.details),
             first_line=first.line, first_rank=first_rank, ranks=sorted(state.ranks),
             matches=sum(state.counts[si] for si in valid), fields=fields,
+            weak=not strong, echo_of=frozenset.intersection(*(s.echo_of for s in sigs)),
         )
+
+
+# What every signature of the catch-all codes (RANK_FAILED) needs on its line.
+_GENERIC_HINT = re.compile(rb"(?:Error|Exception)(?::|\s*$)|exitcode|following error")
+_NEW_RECORD = re.compile(r"\s*(?:Traceback \(|File \"|During handling|The above exception"
+                         r"|\[?\d{4}-\d\d-\d\d|[A-Z]\d{4} \d\d:|\[[A-Z][ \d])")
+
+
+def _continues(text: str, nxt: str) -> bool:
+    """Whether ``nxt`` looks like the rest of ``text`` wrapped onto another line: it is
+    indented, or ``text`` filled a terminal's width, and ``nxt`` starts no new record."""
+    if not nxt.strip() or _NEW_RECORD.match(nxt):
+        return False
+    return nxt[:1] in " \t" or len(text) >= 64 or nxt[:1].islower()
 
 
 def _greater(m: re.Match[str], a: str, b: str) -> bool:
@@ -465,14 +623,19 @@ def _greater(m: re.Match[str], a: str, b: str) -> bool:
         return False
 
 
+def _echo_of(f: Finding, kb: KnowledgeBase) -> frozenset[str]:
+    """The codes ``f`` is an echo of: its code's, and those of the lines that identified it."""
+    return kb.entry(f.code).echo_of | f.echo_of
+
+
 def _is_echo(f: Finding, found: list[Finding], kb: KnowledgeBase) -> bool:
-    echo_of = kb.entry(f.code).echo_of
+    echo_of = _echo_of(f, kb)
     for g in found:
         if g.code == f.code:
             continue
         if g.code in echo_of:
             return True
-        if ANY_CODE in echo_of and ANY_CODE not in kb.entry(g.code).echo_of:
+        if ANY_CODE in echo_of and ANY_CODE not in _echo_of(g, kb):
             return True
     return False
 
@@ -481,16 +644,20 @@ def rank_findings(findings: list[Finding], *, lines_read: int, bytes_read: int,
                   source: str, kb: KnowledgeBase) -> Diagnosis:
     """Choose the root cause among ``findings``: the earliest code that is not an echo.
 
-    A code is an echo when a code named in its ``echo_of`` was also seen (``"*"``:
-    any code that is not itself an echo of everything). If every code is an echo
-    of another (a cycle), the earliest one wins.
+    A code is an echo when a code named in its ``echo_of`` (or in that of the signatures
+    that identified it) was also seen (``"*"``: any code that is not itself an echo of
+    everything). If every code is an echo of another (a cycle), the earliest one wins.
+    Among the rest, a specific code comes before a generic one (a rank's bare exception),
+    and that before a code seen only by weak signatures.
     """
     if not findings:
         return Diagnosis(NONE_FINDING, [], lines_read, bytes_read, source)
     echoes = {f.code for f in findings if _is_echo(f, findings, kb)}
     pool = [f for f in findings if f.code not in echoes] or findings
-    # a rank's bare exception is the answer only when nothing more specific explains the log
-    pool = [f for f in pool if not kb.entry(f.code).generic] or pool
+    # a rank's bare exception is the answer only when nothing more specific explains the log,
+    # and a weak trace (a retry warning, an abort) only when not even that was found
+    pool = ([f for f in pool if not f.weak and not kb.entry(f.code).generic]
+            or [f for f in pool if not f.weak] or pool)
 
     def order(f: Finding) -> tuple[int, float]:
         return (f.first_line if f.first_line is not None else 1 << 62, -f.confidence)

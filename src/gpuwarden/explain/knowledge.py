@@ -49,6 +49,17 @@ class Signature:
     # A group name: the signature only counts once that group took two different
     # values over the log (two ranks printing different "NCCL version" lines).
     distinct: str | None = None
+    # Codes this line is an echo of, besides the code's own ``echo_of``: they apply when
+    # every identifying line of the code was found by signatures naming them (an abort
+    # is an echo of the error it aborted on; a segmentation fault is not).
+    echo_of: frozenset[str] = frozenset()
+    # A weak trace (a retry warning, an abort): a code seen only by weak signatures is the
+    # root cause only when nothing else, not even a rank's bare exception, was found.
+    weak: bool = False
+    # This signature's own cause and fix, when the text names a special case of the code
+    # (the CPU-only torch build among the builds without kernels for the GPU).
+    why: str | None = None
+    fix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +111,8 @@ class KnowledgeBase:
 
 _CODE_KEYS = {"code", "title", "why", "fix", "next", "keywords", "signatures", "details", "echo_of",
               "generic"}
-_SIG_KEYS = {"pattern", "confidence", "requires", "supporting", "greater", "distinct"}
+_SIG_KEYS = {"pattern", "confidence", "requires", "supporting", "greater", "distinct", "echo_of",
+             "weak", "why", "fix"}
 _DETAIL_KEYS = {"pattern", "say", "collect", "last"}
 
 
@@ -157,9 +169,21 @@ def _parse_entry(raw: Any, index: int, contexts: Mapping[str, tuple[str, ...]]) 
         distinct = s.get("distinct")
         if distinct is not None and distinct not in pattern.groupindex:
             raise _fail(sw, "'distinct' must name a group of the pattern")
-        sigs.append(Signature(pattern, float(confidence), requires,
-                              bool(s.get("supporting", False)),
-                              tuple(greater) if greater else None, distinct))
+        sig_echo = s.get("echo_of", [])
+        if not isinstance(sig_echo, list) or not all(isinstance(c, str) for c in sig_echo):
+            raise _fail(sw, "'echo_of' must be a list of codes")
+        texts: dict[str, str] = {}
+        for key in ("why", "fix"):
+            if key in s:
+                texts[key] = _str(s, key, sw)
+        supporting = bool(s.get("supporting", False))
+        weak = bool(s.get("weak", False))
+        if supporting and (weak or sig_echo or texts):
+            raise _fail(sw, "a 'supporting' signature identifies nothing: 'weak', 'echo_of', "
+                            "'why' and 'fix' apply to identifying signatures only")
+        sigs.append(Signature(pattern, float(confidence), requires, supporting,
+                              tuple(greater) if greater else None, distinct,
+                              frozenset(sig_echo), weak, texts.get("why"), texts.get("fix")))
     if not any(not s.supporting for s in sigs):
         raise _fail(where, "needs at least one signature that is not 'supporting'")
     details: list[Detail] = []
@@ -214,7 +238,8 @@ def parse_knowledge(data: Mapping[str, Any], source: str = "<memory>") -> Knowle
             raise _fail(f"code {e.code}", "defined twice")
         seen.add(e.code)
     for e in entries:
-        for other in e.echo_of - {ANY_CODE}:
+        named = e.echo_of.union(*(s.echo_of for s in e.signatures))
+        for other in sorted(named - {ANY_CODE}):
             if other not in seen:
                 raise _fail(f"code {e.code}", f"echo_of names unknown code {other!r}")
     return KnowledgeBase(entries, contexts, source)

@@ -80,7 +80,18 @@ def _entry(e: CodeEntry) -> list[str]:
             notes.append(f"only when {sig.greater[0]} > {sig.greater[1]}")
         if sig.distinct:
             notes.append(f"only once {sig.distinct} took two different values in the log")
+        if sig.weak:
+            notes.append("weak: the root cause only when nothing else was found")
+        if sig.echo_of:
+            said = [f"[{c}](#{c.lower()})" for c in sorted(sig.echo_of - {ANY_CODE})]
+            if ANY_CODE in sig.echo_of:
+                said.append("any other failure")
+            notes.append(f"an echo of {', '.join(said)}")
         lines.append(f"  - {_code_span(sig.pattern.pattern)} ({', '.join(notes)})")
+        if sig.why:
+            lines.append(f"    - **Cause, for this text:** {sig.why}")
+        if sig.fix:
+            lines.append(f"    - **Fix, for this text:** {sig.fix}")
     return [*lines, ""]
 
 

@@ -5,8 +5,9 @@ that failed first in time, but an echo (a peer's socket closed under a collectiv
 or collective timeout) is never the cause while a real one exists: a rank that failed of its
 own accord, or a rank that left (any exit code, 0 included) or died before the others started
 failing. The failure code
-comes from ``gpuwarden.explain`` when it recognises the rank's error text, else RANK_FAILED: the
-report is complete without it (exception, traceback tail, exit code or signal, pid, GPU).
+comes from ``gpuwarden.explain`` when it recognises the rank's error text, else
+RANK_NATIVE_CRASH for a rank ended by SIGSEGV, SIGBUS or SIGABRT, else RANK_FAILED: the report
+is complete without it (exception, traceback tail, exit code or signal, pid, GPU).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ _SIGNAL_WHY = {
                "give the container more /dev/shm (--shm-size, --ipc=host) or use fewer workers"),
     "SIGFPE": ("an arithmetic fault in native code", "see the stack below"),
 }
+
+
+# Signals of a rank's own native code (RANK_NATIVE_CRASH), unless explain names the error the
+# rank aborted on; SIGKILL comes from outside (HOST_OOM_KILL, the scheduler).
+_NATIVE_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT"})
 
 
 @dataclass
@@ -287,13 +293,15 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
                       recorded.traceback or recorded.message if recorded is not None else ""])
     diag = _explain(text)
     code, why, fix = "RANK_FAILED", None, None
-    if diag is not None:
-        code, why, fix = diag.code, diag.why, diag.fix
     # A rank that raised and then outlived --grace in its teardown was SIGKILLed by gpuwarden:
     # its exception is the failure, not the signal.
     raised_then_killed = bool(err) and root.killed_by_launcher
-    if root.returncode < 0 and not raised_then_killed:
-        name = signal_name(-root.returncode)
+    name = signal_name(-root.returncode) if root.returncode < 0 else None
+    if diag is not None and not (name in _NATIVE_SIGNALS and diag.code == "RANK_FAILED"):
+        code, why, fix = diag.code, diag.why, diag.fix
+    elif name in _NATIVE_SIGNALS and not raised_then_killed:
+        code = "RANK_NATIVE_CRASH"  # its own native code ended it; the Python stack is below
+    if name is not None and not raised_then_killed:
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
         why = why or sig_why
         fix = fix or sig_fix
