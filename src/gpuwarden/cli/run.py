@@ -17,7 +17,13 @@ from typing import Any
 from gpuwarden.cli._output import note
 from gpuwarden.cli.select import add_constraint_args, constraints_from_args
 from gpuwarden.errors import UsageError
-from gpuwarden.procs import GroupReaper, die_with_parent, shell_exit_code, short_command
+from gpuwarden.procs import (
+    GroupReaper,
+    die_with_parent,
+    live_group_members,
+    shell_exit_code,
+    short_command,
+)
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
@@ -133,17 +139,37 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
         with _foreground(pgid), _forwarding(pgid):
             while True:
                 try:
-                    returncode = child.wait(timeout=VERIFY_S if tick else None)
-                    break
-                except subprocess.TimeoutExpired:
+                    # The command's exit is read without reaping it: its zombie keeps the pid,
+                    # so its group's number cannot go to another process while we signal it.
+                    returncode = _wait_unreaped(child, VERIFY_S if tick else None)
+                    if returncode is not None:
+                        break
                     if tick is not None:
                         tick()
                 except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
                     continue
-        _reap_group(pgid)
+            _reap_group(pgid)
+        reaper.remove(pgid)  # before the reap: after it, the number may be reused
+        child.wait()
     finally:
         reaper.close()
     return shell_exit_code(returncode)
+
+
+def _wait_unreaped(child: subprocess.Popen[bytes], timeout_s: float | None) -> int | None:
+    """``child``'s exit status once it exited (None after ``timeout_s``), leaving it a zombie."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None and info.si_pid:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        # SIGCHLD interrupts the sleep (PEP 475 resumes it): a short pause keeps the exit
+        # seen within milliseconds without a thread.
+        time.sleep(pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.05)
 
 
 def _setpgid_then_die_with_parent(parent: int) -> None:
@@ -205,17 +231,17 @@ def _set_foreground(fd: int, pgid: int) -> None:
 
 def _reap_group(pgid: int) -> None:
     """Processes the command left in its group (daemons, background jobs) would keep
-    using GPUs the lease no longer covers: SIGTERM, then SIGKILL after a grace period."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
+    using GPUs the lease no longer covers: SIGTERM, then SIGKILL after a grace period.
+    Called while the command (the group's leader) is an unreaped zombie: the group is then
+    certainly its own."""
+    if not live_group_members(pgid):
         return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
+        if not live_group_members(pgid):
             return
-        time.sleep(0.02)
+        time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
