@@ -11,7 +11,9 @@ bytes relayed and its memory per rank is bounded, whatever a rank writes.
 
 A console whose reader went away (``gpuwarden launch ... | head -1``) is silenced, not fatal:
 the ranks' pipes are still drained (a rank never blocks on a full pipe), the log files and the
-report's tail still get everything, and no ``BrokenPipeError`` traceback is printed.
+report's tail still get everything, and no ``BrokenPipeError`` traceback is printed. Likewise a
+log file that cannot be written (a full disk, a quota, an I/O error) is a one-line warning on
+gpuwarden's stderr and is no longer written; the job goes on, its console output too.
 
 Log files, as torchrun's ``DefaultLogsSpecs`` lays them out (``LOG_DIR`` is ``--log-dir``)::
 
@@ -28,9 +30,9 @@ import collections
 import contextlib
 import errno
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import IO, TextIO
+from typing import IO, Protocol, TextIO
 
 from gpuwarden.errors import UsageError
 
@@ -146,12 +148,51 @@ class Console:
             os.close(devnull)
 
 
+class _Writable(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+
+
+class LogFile:
+    """A log file of ``--log-dir``: a write error (ENOSPC, EDQUOT, EIO) is a warning, said once
+    through ``warn``, and the file is not written again; it never stops the job."""
+
+    def __init__(self, path: str, warn: Callable[[str], None]) -> None:
+        self.path = path
+        self._warn = warn
+        self._file: IO[bytes] | None = None
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # Unbuffered: a `tail -f` of the file sees what the console sees, when it sees it.
+            self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        except OSError as exc:
+            self._failed(exc, "created")
+
+    def write(self, data: bytes) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            self._failed(exc, "written")
+
+    def _failed(self, exc: OSError, verb: str) -> None:
+        self.close()
+        self._warn(f"gpuwarden: warning: the log file {self.path} cannot be {verb} "
+                   f"({exc.strerror or exc}); it is not written further, the job goes on")
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
 class StreamRelay:
     """One stream of one rank: feed it what was read from the pipe, in any chunk sizes."""
 
-    def __init__(self, prefix: bytes, console: Console | None, file: IO[bytes] | None,
+    def __init__(self, prefix: bytes, console: Console | None, file: _Writable | None,
                  tail: collections.deque[str] | None = None,
-                 filters: Sequence[bytes] = (), filtered: IO[bytes] | None = None) -> None:
+                 filters: Sequence[bytes] = (), filtered: _Writable | None = None) -> None:
         self.prefix = prefix
         self.console = console
         self.file = file
@@ -264,23 +305,22 @@ class RankRelay:
     """Both streams of one rank, and the files they own."""
 
     def __init__(self, outputs: RankOutputs, stdout: Console, stderr: Console,
-                 filtered: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None),
+                 filtered: tuple[LogFile | None, LogFile | None] = (None, None),
                  filters: tuple[Sequence[bytes], Sequence[bytes]] = ((), ())) -> None:
         self.outputs = outputs
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self._files: list[IO[bytes]] = []
+        self._stderr = stderr
+        self._files: list[LogFile] = []
         self.out = StreamRelay(outputs.prefix, stdout if outputs.console_out else None,
                                self._open(outputs.stdout_file), None, filters[0], filtered[0])
         self.err = StreamRelay(outputs.prefix, stderr if outputs.console_err else None,
                                self._open(outputs.stderr_file), self.stderr_tail, filters[1],
                                filtered[1])
 
-    def _open(self, path: str | None) -> IO[bytes] | None:
+    def _open(self, path: str | None) -> LogFile | None:
         if path is None:
             return None
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Unbuffered: a `tail -f` of the file sees what the console sees, when it sees it.
-        f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        f = LogFile(path, _warner(self._stderr))
         self._files.append(f)
         return f
 
@@ -294,8 +334,11 @@ class RankRelay:
         self.out.finish()
         self.err.finish()
         for f in self._files:
-            with contextlib.suppress(OSError):
-                f.close()
+            f.close()
+
+
+def _warner(console: Console) -> Callable[[str], None]:
+    return lambda line: console.write(line.encode() + b"\n")
 
 
 class JobRelay:
@@ -314,12 +357,12 @@ class JobRelay:
         self.attempt_dir = attempt_dir
         self.filters = (tuple(f.encode() for f in duplicate_stdout_filters if f),
                         tuple(f.encode() for f in duplicate_stderr_filters if f))
-        self._filtered: list[IO[bytes] | None] = [None, None]
+        self._filtered: list[LogFile | None] = [None, None]
         if attempt_dir is not None:
             for i, name in enumerate(("filtered_stdout.log", "filtered_stderr.log")):
                 if self.filters[i]:
-                    os.makedirs(attempt_dir, exist_ok=True)
-                    self._filtered[i] = open(os.path.join(attempt_dir, name), "wb", buffering=0)  # noqa: SIM115
+                    self._filtered[i] = LogFile(os.path.join(attempt_dir, name),
+                                                _warner(self.stderr))
         self.ranks: list[RankRelay] = []
 
     def open_rank(self, rank: int, local_rank: int) -> RankRelay:
@@ -336,5 +379,4 @@ class JobRelay:
             relay.close()
         for f in self._filtered:
             if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
+                f.close()
