@@ -256,6 +256,17 @@ def check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[P
     return real, prepared
 
 
+def is_private(real: Path) -> bool:
+    """Whether the checked directory ``real`` is this user's own, writable by nobody else (from
+    what :func:`check_dir` saw: no system call)."""
+    with _checked_lock:
+        entry = next((e for e in _checked.values() if e.real == real), None)
+    if entry is None:
+        return False
+    _dev, _ino, uid, mode = entry.identity
+    return uid == os.geteuid() and not mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_uid, st.st_mode
 

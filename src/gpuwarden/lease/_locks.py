@@ -135,7 +135,8 @@ _by_path: dict[str, tuple[int, int]] = {}
 
 
 def open_lock_file(path: Path, *, create: bool, owner: int | None = None,
-                   create_mode: int = LOCK_FILE_MODE, replace_planted: bool = False) -> _Inode:
+                   create_mode: int = LOCK_FILE_MODE, replace_planted: bool = False,
+                   recheck: bool = True) -> _Inode:
     """This process's handle of the lock file ``path`` (created when missing, with
     ``create``). Raises FileNotFoundError, UnsafeFileError (a link, a FIFO, a device, a
     file of the wrong ``owner``), or PermissionError (not writable for this user).
@@ -149,7 +150,7 @@ def open_lock_file(path: Path, *, create: bool, owner: int | None = None,
         known = _by_path.get(key)
         if known is not None:
             entry = _inodes.get(known)
-            if entry is not None and _names(entry.fd, path):
+            if entry is not None and (not recheck or _names(entry.fd, path)):
                 return entry
         try:
             fd = _open_locked_path(path, create=create, owner=owner, create_mode=create_mode)
@@ -309,7 +310,7 @@ MUTEX_BYTE = 0
 
 @contextlib.contextmanager
 def dir_mutex(path: Path, timeout_s: float, *, owner: int | None, create: bool,
-              replace_planted: bool = False) -> Iterator[None]:
+              replace_planted: bool = False, recheck: bool = True) -> Iterator[None]:
     """Hold the write lock of the mutex file ``path`` (and this process's thread lock for it)
     for the block. Raises MutexBusyError, with what the kernel says of its holder, when it
     stays held ``timeout_s``.
@@ -324,7 +325,7 @@ def dir_mutex(path: Path, timeout_s: float, *, owner: int | None, create: bool,
         raise MutexBusyError(path, LockOwner(os.getpid(), True, 0, 1), timeout_s)
     try:
         entry = open_lock_file(path, create=create, owner=owner,
-                               replace_planted=replace_planted)
+                               replace_planted=replace_planted, recheck=recheck)
         pause = 0.00005
         while not try_take(entry, MUTEX_BYTE):
             left = deadline - time.monotonic()

@@ -12,6 +12,10 @@ at most :data:`MAX_EVENT_BYTES` are read per wait, after which the wait falls ba
 retrying every :data:`POLL_S`; a full kernel queue (``IN_Q_OVERFLOW``) counts as a change.
 Without inotify (a filesystem without it, or the per-user instance limit reached) a waiter
 retries every :data:`POLL_S`.
+
+Instances are kept for the next wait of the process, not closed: closing an inotify
+descriptor waits for the kernel's SRCU grace period (milliseconds to tens of milliseconds on a
+busy host), and a grant must not wait for that.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ctypes
 import os
 import select
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -40,18 +45,22 @@ MAX_EVENT_BYTES = 1 << 20  # per wait; a flood beyond this is not parsed, the wa
 POLL_S = 0.05
 
 
-def _resolve() -> tuple[object, object] | None:
+def _resolve() -> tuple[object, object, object] | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        init, add = libc.inotify_init1, libc.inotify_add_watch
+        init, add, rm = libc.inotify_init1, libc.inotify_add_watch, libc.inotify_rm_watch
     except (OSError, AttributeError):
         return None
     init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
     add.argtypes, add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
-    return init, add
+    rm.argtypes, rm.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return init, add, rm
 
 
 _calls = _resolve()
+_pool_lock = threading.Lock()
+_pool: list[int] = []  # inotify descriptors without a watch, for the next waiter
+POOL_SIZE = 4
 
 
 class DirWatch:
@@ -61,16 +70,21 @@ class DirWatch:
 
     def __init__(self, directory: Path) -> None:
         self.fd = -1
+        self._wd = -1
         if _calls is None:
             return
-        init, add = _calls
-        fd = init(IN_NONBLOCK | IN_CLOEXEC)  # type: ignore[operator]
+        init, add, _rm = _calls
+        with _pool_lock:
+            fd = _pool.pop() if _pool else -1
+        if fd < 0:
+            fd = init(IN_NONBLOCK | IN_CLOEXEC)  # type: ignore[operator]
         if fd < 0:
             return  # EMFILE: the user's inotify instances are used up; poll instead
-        if add(fd, os.fsencode(directory), _MASK) < 0:  # type: ignore[operator]
-            os.close(fd)
+        wd = add(fd, os.fsencode(directory), _MASK)  # type: ignore[operator]
+        if wd < 0:
+            _give_back(fd)
             return
-        self.fd = fd
+        self.fd, self._wd = fd, wd
 
     @property
     def polling(self) -> bool:
@@ -120,16 +134,39 @@ class DirWatch:
         return True
 
     def close(self) -> None:
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = -1
+        if self.fd >= 0 and _calls is not None:
+            _calls[2](self.fd, self._wd)  # type: ignore[operator]
+            self._drain()  # what came meanwhile, and the IN_IGNORED of the removed watch
+            _give_back(self.fd)
+        self.fd = -1
 
     def __enter__(self) -> DirWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _give_back(fd: int) -> None:
+    with _pool_lock:
+        if len(_pool) < POOL_SIZE:
+            _pool.append(fd)
+            return
+    # Closing waits for an SRCU grace period: not on the caller's time.
+    threading.Thread(target=os.close, args=(fd,), daemon=True).start()
+
+
+def _forget_in_child() -> None:
+    # The parent's instances are shared with it (one open file description): never read here.
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    for fd in _pool:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _pool.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _relevant(data: bytes, wanted: set[bytes]) -> bool:

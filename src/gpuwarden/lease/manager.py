@@ -25,12 +25,15 @@ is what still says the slot is taken. Every wait has a deadline, the mutex's inc
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import math
 import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,7 +42,14 @@ from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableE
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.lease import _fs, _locks
 from gpuwarden.lease._watch import DirWatch
-from gpuwarden.lease.records import OwnedRecord, Record, Scanner, SlotClaim, this_process
+from gpuwarden.lease.records import (
+    OwnedRecord,
+    Record,
+    Scanner,
+    SlotClaim,
+    entries_seen,
+    this_process,
+)
 from gpuwarden.lease.status import GpuState, OnWait, WaitStatus, describe_request
 from gpuwarden.select import Constraints, Refusal, judge, preference_key
 from gpuwarden.units import format_duration, parse_duration, parse_size
@@ -51,12 +61,16 @@ if TYPE_CHECKING:
 REFRESH_S = 1.0  # how often a waiter re-reads NVML and retries in full regardless
 MUTEX_PATIENCE_S = 1.0  # a waiting request's longest wait for the mutex in one attempt
 SETTLE_S = (0.01, 0.05, 0.2)  # extra attempts after a change: a dying holder's locks go one by one
-MIN_RETRY_S = 0.005  # attempts woken by events are at least this far apart (an event flood)
+MIN_RETRY_S = 0.005  # attempts woken by an event flood are at least this far apart
+FLOOD_WAKES, FLOOD_WINDOW_S = 10, 0.05  # a flood: this many wakes within this window
 # An earlier request that could take free GPUs and has not for this long is not waiting like
 # a gpuwarden request (which is woken within milliseconds): it holds nothing back.
 IDLE_TURN_S = 3.0
 # The most slots per GPU a request may ask for where no prepared directory sets the limit.
 MAX_SLOTS_PER_GPU = 1024
+# A directory this small (as its last scan saw it) is read once per attempt, under the mutex;
+# a larger one is read outside it first, so that the read under it finds everything parsed.
+WARM_SCAN_NAMES = 64
 
 
 @dataclass(frozen=True)
@@ -249,6 +263,12 @@ class _Waiter:
         return self.config is not None
 
     @property
+    def recheck(self) -> bool:
+        """Whether lock files may be replaced under us (a shared directory not prepared):
+        then every use checks the path still names the file locked."""
+        return not (self.prepared or self.private)
+
+    @property
     def lock_owner(self) -> int | None:
         """Whose lock files alone are used: root's in a prepared directory, ours in our own."""
         if self.prepared:
@@ -260,7 +280,7 @@ class _SlotProblem(Exception):
     """A GPU lock file that cannot serve (a FIFO, a link, missing in a prepared dir)."""
 
 
-def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
+def _holder_owned(gpu: GPUSnapshot, owners: AbstractSet[int]) -> frozenset[int]:
     """Pids on ``gpu`` that are lease holders of it (or this process) or their descendants."""
     if not gpu.processes or not owners:
         return frozenset()
@@ -279,10 +299,20 @@ def _holder_owned(gpu: GPUSnapshot, owners: set[int]) -> frozenset[int]:
     return frozenset(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _mutex_path(directory: Path) -> Path:
+    return directory / _fs.MUTEX_NAME
+
+
+@functools.lru_cache(maxsize=1024)
+def _gpu_path(directory: Path, uuid: str) -> Path:
+    return directory / _fs.gpu_file_name(uuid)
+
+
 def _lock_file(waiter: _Waiter, uuid: str) -> _locks._Inode:
     """This process's handle of ``uuid``'s lock file. Raises _SlotProblem when it cannot be
     one (a FIFO, a link, another user's file in a prepared dir, missing there)."""
-    path = waiter.directory / _fs.gpu_file_name(uuid)
+    path = _gpu_path(waiter.directory, uuid)
     config = waiter.config
     if config is not None and uuid not in config.gpus:
         raise _SlotProblem(
@@ -290,7 +320,7 @@ def _lock_file(waiter: _Waiter, uuid: str) -> _locks._Inode:
             f"an admin runs `gpuwarden leases init --dir {waiter.directory}` again")
     try:
         return _locks.open_lock_file(path, create=not waiter.prepared, owner=waiter.lock_owner,
-                                     replace_planted=waiter.private)
+                                     replace_planted=waiter.private, recheck=waiter.recheck)
     except _fs.UnsafeFileError as exc:
         raise _SlotProblem(f"its lock file {path.name} {exc.problem}: remove it (as root)"
                            ) from None
@@ -336,10 +366,11 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
     req = waiter.request
     scanner = waiter.scanner
     assert scanner is not None
-    scanner.scan()  # outside the mutex: parses what is new, so the scan below is quick
-    with _locks.dir_mutex(waiter.directory / _fs.MUTEX_NAME, mutex_timeout_s,
+    if entries_seen(waiter.directory) > WARM_SCAN_NAMES:
+        scanner.scan()  # outside the mutex: parses what is new, so the scan below is quick
+    with _locks.dir_mutex(_mutex_path(waiter.directory), mutex_timeout_s,
                           owner=waiter.lock_owner, create=not waiter.prepared,
-                          replace_planted=waiter.private):
+                          replace_planted=waiter.private, recheck=waiter.recheck):
         view = scanner.scan(cleanup=True)
         mine = waiter.ticket.record if waiter.ticket is not None else None
         earlier = [t for t in view.tickets() if mine is None or t.order() < mine.order()]
@@ -354,14 +385,17 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
             except _SlotProblem as problem:
                 gl.problem = str(problem)
 
-        me = {os.getpid(), *req.constraints.own_pids}
+        me = frozenset({os.getpid(), *req.constraints.own_pids})
         owned = {g.uuid: _holder_owned(g, me | {h.pid for h in locks[g.uuid].holders}
-                                       | {t.pid for t in earlier}) | frozenset(me)
+                                       | {t.pid for t in earlier}) | me
                  for g in gpus}
+        mine_only = replace(req.constraints, own_pids=me)  # a GPU without a holder's process
         states: dict[str, GpuState] = {}
         eligible: list[GPUSnapshot] = []
         for gpu in gpus:
-            verdict = judge(gpu, replace(req.constraints, own_pids=owned[gpu.uuid]))
+            constraints = mine_only if owned[gpu.uuid] == me else \
+                replace(req.constraints, own_pids=owned[gpu.uuid])
+            verdict = judge(gpu, constraints)
             if verdict.accepted and locks[gpu.uuid].problem:
                 states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
                                             locks[gpu.uuid].problem, "refused")
@@ -521,7 +555,7 @@ def _take_slots(gl: _GpuLocks, req: LeaseRequest, waiter: _Waiter) -> list[_Held
     and replaced (an unprepared directory)."""
     f = gl.lock_file
     assert f is not None
-    path = waiter.directory / _fs.gpu_file_name(gl.gpu.uuid)
+    path = _gpu_path(waiter.directory, gl.gpu.uuid)
     claimed = gl.claimed(req.slots_per_gpu)
     taken: list[_Held] = []
     for slot in range(req.slots_per_gpu):
@@ -532,7 +566,7 @@ def _take_slots(gl: _GpuLocks, req: LeaseRequest, waiter: _Waiter) -> list[_Held
             taken.append(_Held(f, byte, path))
             if len(taken) == req.slots_each:
                 # A lock on a file someone deleted and replaced would guard nothing.
-                if _locks.names_inode(f, path):
+                if not waiter.recheck or _locks.names_inode(f, path):
                     return taken
                 break
     for h in taken:
@@ -693,11 +727,8 @@ def _new_waiter(req: LeaseRequest, lease_dir: str | Path | None,
             "that lock other files",
             fix=f"an admin runs `gpuwarden leases init --dir {directory}` again (and every "
             "user of the host upgrades gpuwarden)")
-    private = False
-    with contextlib.suppress(OSError):
-        st = os.stat(directory)
-        private = st.st_uid == os.geteuid() and not st.st_mode & 0o022
-    return _Waiter(req, directory, config=config, private=private, scanner=Scanner(directory))
+    return _Waiter(req, directory, config=config, private=_fs.is_private(directory),
+                   scanner=Scanner(directory))
 
 
 def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
@@ -718,6 +749,7 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
     settle: list[float] = []
     # Watch before the first attempt: a release between an attempt and the wait is not lost.
     watch = DirWatch(waiter.directory) if wait_s > 0 else None
+    wakes: collections.deque[float] = collections.deque(maxlen=FLOOD_WAKES)
     try:
         while True:
             will_wait = time.monotonic() - start < wait_s
@@ -748,8 +780,11 @@ def _acquire(waiter: _Waiter, env: Mapping[str, str] | None, on_wait: OnWait | N
             changed = watch.wait(names, max(0.0, wake_at - time.monotonic()))
             if changed:
                 settle = [time.monotonic() + s for s in SETTLE_S]
-                # A flood of events for the names we watch costs at most one attempt per gap.
-                time.sleep(max(0.0, attempted_at + MIN_RETRY_S - time.monotonic()))
+                # A flood of events for the names we watch (someone opening and closing them
+                # in a loop) costs at most one attempt per MIN_RETRY_S; a hand-off, at once.
+                wakes.append(time.monotonic())
+                if len(wakes) == wakes.maxlen and wakes[-1] - wakes[0] < FLOOD_WINDOW_S:
+                    time.sleep(max(0.0, attempted_at + MIN_RETRY_S - time.monotonic()))
             # A holder that ended may leave NVML's process list a moment later: re-read then.
             if changed or time.monotonic() - read_at >= REFRESH_S:
                 gpus, read_at = _read_gpus(env, inventory), time.monotonic()

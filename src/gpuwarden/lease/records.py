@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -46,10 +47,11 @@ RECORD_SUFFIX = ".json"
 RECORD_SCHEMA = 2
 MAX_RECORD_BYTES = 16 * 1024  # a holder of 16 GPUs x 8 slots writes ~3 KiB
 MAX_CLAIMS = 256
+MAX_BRACKETS = 4 * MAX_CLAIMS + 16  # a record's own: claims, slots, uuids and the object
 LABEL_CHARS = 200
 COMMAND_CHARS = 300
 MAX_NAMES = 200_000  # directory entries looked at in one scan
-CHECKS_PER_USER = 256  # record files of one user opened in one scan (oldest first)
+CHECKS_PER_USER = 128  # record files of one user opened in one scan (oldest first)
 RECORDS_PER_USER = 64  # live records of one user kept in one scan
 MAX_CHECKS = 4096  # record files opened in one scan, every user together
 SCAN_BUDGET_S = 0.25  # a scan stops here and says it saw only part of the directory
@@ -144,13 +146,18 @@ def new_token() -> str:
 
 def this_process(kind: str, label: str | None, **fields: Any) -> Record:
     """A record describing the calling process."""
-    argv = [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv and sys.argv[0] else []
-    command = short_command(argv, width=COMMAND_CHARS) if argv else sys.executable
+    host, command = _identity(tuple(sys.argv))
     return Record(kind=kind, record_id="", pid=os.getpid(), user=_fs.user_name(os.geteuid()),
-                  host=escape_untrusted(socket.gethostname(), 120),
-                  command=escape_untrusted(command, COMMAND_CHARS),
-                  label=escape_untrusted(label or "", LABEL_CHARS), born_ns=time.time_ns(),
-                  uid=os.geteuid(), **fields)
+                  host=host, command=command, label=escape_untrusted(label or "", LABEL_CHARS),
+                  born_ns=time.time_ns(), uid=os.geteuid(), **fields)
+
+
+@functools.lru_cache(maxsize=8)
+def _identity(argv: tuple[str, ...]) -> tuple[str, str]:
+    words = [os.path.basename(argv[0]), *argv[1:]] if argv and argv[0] else []
+    command = short_command(words, width=COMMAND_CHARS) if words else sys.executable
+    return (escape_untrusted(socket.gethostname(), 120),
+            escape_untrusted(command, COMMAND_CHARS))
 
 
 def record_name(kind: str, token: str) -> str:
@@ -199,8 +206,9 @@ class OwnedRecord:
             raise
         self.fd = fd
         self.path = path
-        self.record = replace(record, record_id=token, born_ns=_fs.birth_ns(fd, st),
-                              ino=st.st_ino, path=path)
+        # A ticket's place in line is its birth time; a holder's start, for display, its ctime.
+        born = _fs.birth_ns(fd, st) if record.kind == "ticket" else st.st_ctime_ns
+        self.record = replace(record, record_id=token, born_ns=born, ino=st.st_ino, path=path)
         with _own_lock:
             _own.setdefault(str(directory), {})[path.name] = self.record
         _fs.track(self)
@@ -209,9 +217,10 @@ class OwnedRecord:
         """Delete the file, then drop the lock (a reader never sees it unlocked but present)."""
         if self.fd is None:
             return
+        # A random name of ours, in a directory where only its owner (and root) may delete or
+        # replace it: the name is ours to delete.
         with contextlib.suppress(OSError):
-            if _fs.same_file(self.fd, self.path):
-                os.unlink(self.path)
+            os.unlink(self.path)
         with _own_lock:
             _own.get(str(self.directory), {}).pop(self.path.name, None)
         with contextlib.suppress(OSError):
@@ -267,18 +276,39 @@ class _Known:
     ino: int
     uid: int
     mtime_ns: int  # lstat's: order among a user's files before one is opened
+    size: int = -1
     born_ns: int = 0
     parsed: Record | None = None
     problem: str = ""
 
 
+_known_lock = threading.Lock()
+_known_by_dir: dict[str, dict[str, _Known]] = {}  # what this process learnt, per directory
+_entries_by_dir: dict[str, int] = {}  # how many names the last scan of a directory saw
+
+
+def entries_seen(directory: Path) -> int:
+    """How many names the last scan of ``directory`` in this process saw (0: none yet)."""
+    return _entries_by_dir.get(str(directory), 0)
+
+
 class Scanner:
-    """Reads one lease directory's records, remembering what does not change (one per waiter,
-    or one per call)."""
+    """Reads one lease directory's records, remembering (for the process) what does not
+    change: a record file's owner and content, per inode."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._known: dict[str, _Known] = {}
+        self._key = str(directory)
+
+    @property
+    def _known(self) -> dict[str, _Known]:
+        with _known_lock:
+            return _known_by_dir.get(self._key, {})
+
+    @_known.setter
+    def _known(self, value: dict[str, _Known]) -> None:
+        with _known_lock:
+            _known_by_dir[self._key] = value
 
     def scan(self, *, cleanup: bool = False, budget_s: float = SCAN_BUDGET_S,
              want_gpu_files: bool = False) -> ScanResult:
@@ -311,10 +341,12 @@ class Scanner:
                         break
         except OSError:
             return result
+        _entries_by_dir[self._key] = seen
         # What we know of each candidate (uid, age) without opening it: lstat, once per inode.
         known_now: dict[str, _Known] = {}
+        previous = self._known
         for name, ino, entry in candidates:
-            known = self._known.get(name)
+            known = previous.get(name)
             if known is None or known.ino != ino:
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -370,18 +402,22 @@ class Scanner:
                 self._corrupt(result, path, "locked, but not the way a record's owner locks it "
                               f"(held by {_fs.describe_owner(owner)})")
                 return None
+            if (known.size, known.mtime_ns) != (st.st_size, st.st_mtime_ns):
+                known.parsed, known.problem = None, ""  # rewritten in place: read it again
             if known.parsed is None and not known.problem:
                 if not known.born_ns:
                     known.born_ns = _fs.birth_ns(fd, st)
                 try:
                     known.parsed = parse_record_bytes(os.pread(fd, MAX_RECORD_BYTES + 1, 0),
                                                       name)
+                    known.size, known.mtime_ns = st.st_size, st.st_mtime_ns
                 except (ValueError, KeyError, TypeError, RecursionError) as exc:
                     problem = escape_untrusted(f"{type(exc).__name__}: {exc}", 200)
                     # Records are written under the mutex: a scan under it (cleanup) never sees
                     # one half written; another may, for a moment after its birth.
                     if cleanup or time.time() - st.st_mtime > 1.0:
                         known.problem = problem  # settled: remembered for this inode
+                        known.size, known.mtime_ns = st.st_size, st.st_mtime_ns
                     else:  # perhaps being written: shown now, read again next scan
                         self._corrupt(result, path, problem)
                         return None
@@ -422,6 +458,9 @@ def parse_record_bytes(raw: bytes, name: str) -> Record:
         raise ValueError(f"more than a record's {MAX_RECORD_BYTES} bytes")
     if not raw:
         raise ValueError("empty")
+    # More brackets than any record has: refused before the parser sees it (two C counts).
+    if raw.count(b"[") + raw.count(b"{") > MAX_BRACKETS:
+        raise ValueError("JSON nested too deeply for a record (or too many brackets)")
     try:
         data = json.loads(raw)  # the C parser: no loop over bytes here, nesting bounded by it
     except RecursionError:
