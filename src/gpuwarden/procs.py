@@ -217,7 +217,9 @@ for line in sys.stdin:
         elif word[0].startswith("p-"):
             pids.pop(int(word[0][2:]), None)
         elif word[0].startswith("+"):
-            groups[int(word[0][1:])] = (int(word[1]), int(word[2]))
+            # "+G" alone: a group registered the moment its leader was started, before its
+            # start time could be read (killed as is if the owner dies in that moment).
+            groups[int(word[0][1:])] = (int(word[1]), int(word[2])) if len(word) > 2 else None
         elif word[0].startswith("-"):
             groups.pop(int(word[0][1:]), None)
     except (ValueError, IndexError):
@@ -225,8 +227,14 @@ for line in sys.stdin:
 for _ in range(3):  # again, for what was starting while the first round ran
     for path in cgroups:
         kill_cgroup(path)
-    for pgid, (start, sid) in list(groups.items()):
-        kill_group(pgid, start, sid)
+    for pgid, known in list(groups.items()):
+        if known is None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+        else:
+            kill_group(pgid, *known)
     for pid, start in list(pids.items()):
         kill_pid(pid, start)
     time.sleep(0.05)
@@ -281,8 +289,10 @@ class GroupReaper:
     def add(self, pgid: int) -> bool:
         """Register the process group ``pgid``, led by the live (or unreaped) process of that
         pid; False when it is already gone (nothing registered)."""
+        self._tell(f"+{pgid}")  # at once: the owner may die before /proc is read
         st = proc_stat(pgid)
         if st is None:
+            self._tell(f"-{pgid}")
             return False
         self.groups.add(pgid)
         self._tell(f"+{pgid} {st.start_ticks} {st.session}")
