@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pwd
@@ -296,6 +297,53 @@ def test_a_records_pid_and_user_are_the_kernels_never_what_it_says(scenario, lea
             acquire(2)
         assert f"GPU0 leased by pid {pid} (" in info.value.render()
         assert "alice" not in info.value.render() and "pid 1 " not in info.value.render()
+
+
+def test_an_older_gpuwardens_live_lease_is_kept_off_and_ours_is_visible_to_it(scenario,
+                                                                             lease_dir):
+    """During an upgrade both versions share a directory: a lease of the version before this
+    one (a flock on its record, one lock file per slot) keeps this one off its GPU; a record
+    of this one carries a flock and the fields the older version reads, so it keeps off ours."""
+    scenario("two_idle")
+    old = {"schema": 1, "kind": "holder", "id": "old", "pid": 4242, "user": "alice",
+           "host": "x", "command": "python train.py", "label": "old job", "started_at": 0,
+           "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1, "slots": [0]}]}
+    path = lease_dir / "holder.host-4242-old.json"
+    path.write_text(json.dumps(old))
+    fd = os.open(path, os.O_RDONLY)
+    pid = fork_child(lambda: (fcntl.flock(fd, fcntl.LOCK_EX), time.sleep(30)))
+    try:
+        _wait_for(lambda: not _flock_free(path))
+        with lease(1) as grant:
+            assert grant.visible_devices == "1"
+            why = refusal_of(lambda: acquire(1))
+            assert "GPU0 leased by pid 4242 (" in why and "an older gpuwarden's lease" in why
+            [mine] = [p for p in lease_dir.glob("holder.*.json") if p != path]
+            assert not _flock_free(mine)  # the older version sees it live
+            data = json.loads(mine.read_text())
+            assert data["pid"] == os.getpid() and data["id"] and data["claims"][0]["uuid"] == GPU1
+        assert path.exists()  # never deleted as stale: its owner lives
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        wait_all([pid], timeout_s=10)
+        os.close(fd)
+
+
+def _flock_free(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def refusal_of(ask) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(LeaseUnavailableError) as info:
+        ask()
+    return info.value.render()
 
 
 @pytest.mark.parametrize("ofd", [False, True], ids=["posix", "ofd"])

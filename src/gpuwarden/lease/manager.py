@@ -386,7 +386,9 @@ def _attempt(waiter: _Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
                 gl.problem = str(problem)
 
         me = frozenset({os.getpid(), *req.constraints.own_pids})
-        owned = {g.uuid: _holder_owned(g, me | {h.pid for h in locks[g.uuid].holders}
+        # Kernel pids only: an older gpuwarden's record names a pid nobody vouches for.
+        owned = {g.uuid: _holder_owned(g, me | {h.pid for h in locks[g.uuid].holders
+                                                if not h.legacy}
                                        | {t.pid for t in earlier}) | me
                  for g in gpus}
         mine_only = replace(req.constraints, own_pids=me)  # a GPU without a holder's process

@@ -102,6 +102,9 @@ class Record:
     path: Path | None = field(default=None, compare=False)
     # Stopped (SIGSTOP, Ctrl-Z): set by `gpuwarden leases` from /proc (scan leaves it False).
     stopped: bool = field(default=False, compare=False)
+    # Written by an older gpuwarden (a flock on the file, no record lock): its claims are kept
+    # off (no two versions grant one slot), but its pid is only what the file says.
+    legacy: bool = False
 
     @property
     def started_at(self) -> float:
@@ -114,9 +117,11 @@ class Record:
 
     def who(self) -> str:
         """'pid 812 (alice, train.py)' in the same form select.py uses for processes."""
-        parts = (self.user, self.label or self.command, "stopped" if self.stopped else "")
+        parts = (self.user, self.label or self.command, "stopped" if self.stopped else "",
+                 "an older gpuwarden's lease" if self.legacy else "")
         what = ", ".join(x for x in parts if x)
-        pid = f"pid {self.pid}" if self.pid > 0 else "a process in another PID namespace"
+        pid = f"pid {self.pid}" if self.pid > 0 else "a process of an older gpuwarden" \
+            if self.legacy else "a process in another PID namespace"
         return f"{pid} ({what})" if what else pid
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,7 +202,13 @@ class OwnedRecord:
             os.fchmod(fd, _fs.RECORD_MODE)  # readable by `gpuwarden leases` of every user
             if not _locks._set_lock(fd, fcntl.F_WRLCK, 0, 0):  # a fresh file: nobody holds it
                 raise OSError(errno.EAGAIN, "cannot lock a new record", str(path))
-            os.write(fd, json.dumps(record.content()).encode())
+            # And a flock, with the fields an older gpuwarden reads (id, pid, user, start):
+            # a version that checks flocks sees this lease live and keeps off its slots, and
+            # does not delete the record as stale. This version believes none of those fields.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            legacy = {"id": token, "pid": os.getpid(), "user": record.user,
+                      "started_at": time.time()}
+            os.write(fd, json.dumps({**record.content(), **legacy}).encode())
             st = os.fstat(fd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -393,12 +404,17 @@ class Scanner:
             if st.st_ino != known.ino:  # replaced since it was listed: next scan
                 return None
             owner = _locks.test_lock(fd, 0, 0)
-            if owner is None:  # nobody holds it: its owner is gone (or it is being made)
+            legacy = owner is None and _flocked(fd)
+            if owner is None and not legacy:  # nobody holds it: its owner is gone
                 if cleanup and st.st_uid == os.geteuid() \
                         and time.time() - st.st_mtime > STALE_AGE_S:
                     _remove_if_stale(path, fd)
                 return None
-            if not owner.write or owner.pid < 0 or owner.start != 0 or owner.length != 0:
+            if legacy:  # an older gpuwarden's live record: only its claims matter
+                owner = _locks.LockOwner(-1, True, 0, 0)
+            assert owner is not None
+            if not legacy and (not owner.write or owner.pid < 0 or owner.start != 0
+                               or owner.length != 0):
                 self._corrupt(result, path, "locked, but not the way a record's owner locks it "
                               f"(held by {_fs.describe_owner(owner)})")
                 return None
@@ -429,6 +445,12 @@ class Scanner:
             self._corrupt(result, path, known.problem)
             return None
         assert known.parsed is not None
+        if legacy:
+            if known.parsed.kind != "holder":
+                return None  # an older version's waiting request: not ordered with ours
+            return replace(known.parsed, pid=known.parsed.pid, uid=st.st_uid, legacy=True,
+                           user=_fs.user_name(st.st_uid), born_ns=st.st_mtime_ns,
+                           ino=st.st_ino, path=path)
         return replace(known.parsed, pid=owner.pid, uid=st.st_uid,
                        user=_fs.user_name(st.st_uid), born_ns=known.born_ns, ino=st.st_ino,
                        path=path)
@@ -439,9 +461,21 @@ class Scanner:
             result.corrupt.append(Corrupt(path, problem))
 
 
+def _flocked(fd: int) -> bool:
+    """Whether some process holds an exclusive flock on the file (an older gpuwarden)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
 def _remove_if_stale(path: Path, fd: int) -> None:
     """Delete our own record whose lock nobody holds (its process died)."""
-    if _fs.same_file(fd, path) and _locks.test_lock(fd, 0, 0) is None:
+    if _fs.same_file(fd, path) and _locks.test_lock(fd, 0, 0) is None and not _flocked(fd):
         with contextlib.suppress(OSError):
             os.unlink(path)
 
@@ -482,8 +516,12 @@ def parse_record_bytes(raw: bytes, name: str) -> Record:
     )
     util = data.get("max_util_pct")
     token = name[len(HOLDER_PREFIX if kind == "holder" else TICKET_PREFIX):-len(RECORD_SUFFIX)]
+    claimed_pid = data.get("pid")
     return Record(
-        kind=kind, record_id=escape_untrusted(token, 64), pid=0, user="",
+        kind=kind, record_id=escape_untrusted(token, 64),
+        # What the file says: shown only for an older gpuwarden's record, never believed.
+        pid=claimed_pid if isinstance(claimed_pid, int) and 0 < claimed_pid < 1 << 31 else -1,
+        user="",
         host=_text(data.get("host", ""), 120), command=_text(data.get("command", ""),
                                                              COMMAND_CHARS),
         label=_text(data.get("label", ""), LABEL_CHARS), born_ns=0, claims=claims,
