@@ -11,19 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
-import resource
 import secrets
 import shutil
-import signal
 import subprocess
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from tests._lease_util import fork_child, wait_all
+from tests._lease_util import fork_child, kept_in_child, wait_all
 
 
 @dataclass(frozen=True)
@@ -69,39 +66,11 @@ def as_user(user: User, body: Callable[[], Any]) -> int:
     return wait_all([pid], timeout_s=60)[pid]
 
 
-@contextlib.contextmanager
-def holding(user: User, setup: Callable[[], Any], *, max_files: int | None = None
-            ) -> Iterator[int]:
+def holding(user: User, setup: Callable[[], Any]) -> contextlib.AbstractContextManager[int]:
     """Run ``setup`` as ``user`` in a child that keeps what it opened (locks, a lease) until
-    the block ends; yields the child's pid. ``max_files``: its open-files limit (raised as
-    root before it becomes the user)."""
-    ready_r, ready_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(ready_r)
-            os.close(stop_w)
-            if max_files is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
-            become(user)
-            kept = setup()  # noqa: F841 (kept alive: its descriptors hold the locks)
-            os.write(ready_w, b"1")
-            os.read(stop_r, 1)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(stop_r)
-    try:
-        assert os.read(ready_r, 1) == b"1", "the other user's set-up failed (see stderr)"
-        yield pid
-    finally:
-        os.close(stop_w)
-        os.close(ready_r)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-        wait_all([pid], timeout_s=30)
+    the block ends; yields the child's pid."""
+    def as_them() -> Any:
+        become(user)
+        return setup()
+
+    return kept_in_child(as_them)

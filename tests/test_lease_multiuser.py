@@ -35,7 +35,7 @@ import pytest
 
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError
 from gpuwarden.lease import acquire, lease, list_leases
-from tests._lease_util import fork_child, wait_all
+from tests._lease_util import F_OFD_SETLK, fork_child, wait_all
 from tests._unix_users import User, as_user, holding, made_user
 
 pytestmark = [
@@ -48,7 +48,6 @@ GPU0 = "GPU-00000000-0000-0000-0000-00000000aa00"
 GPU1 = "GPU-00000000-0000-0000-0000-00000000aa01"
 SCENARIO = Path(__file__).parent / "scenarios" / "two_idle.json"
 ANSWER_S = 1.0  # a request answers within its --wait and this much, whatever is planted
-F_OFD_SETLK = 37
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Protocol
 
 from gpuwarden.errors import LeaseDirError
-from gpuwarden.lease._locks import LockOwner, UnsafeFileError
+from gpuwarden.lease._locks import (
+    LockOwner,
+    UnsafeFileError,
+    check_regular,
+    open_no_link,
+)
+from gpuwarden.lease._locks import _names as _same_inode
 from gpuwarden.safetext import escape_untrusted
 
 __all__ = ["UnsafeFileError"]
@@ -491,27 +497,14 @@ def same_dir(fd: int, directory: Path) -> bool:
 
 def same_file(fd: int, path: Path) -> bool:
     """Whether ``path`` still names the file open as ``fd`` (it was not deleted or replaced)."""
-    try:
-        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    return _same_inode(fd, path)
 
 
 def open_regular(path: Path, *, owner: int | None = None) -> int:
     """A read-only descriptor of the existing regular file ``path``; never follows a link and
     never blocks (on a FIFO). Raises FileNotFoundError, or UnsafeFileError for anything that
     is not a regular file (owned by ``owner``, when given)."""
-    from gpuwarden.lease._locks import check_regular
-
-    try:
-        fd = os.open(path, OPEN_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(path, "is a symbolic link, not a regular file") from None
-        if exc.errno == errno.ENXIO:
-            raise UnsafeFileError(path, "is a socket, not a regular file") from None
-        raise
+    fd = open_no_link(path, OPEN_FLAGS)
     check_regular(fd, path, owner)
     return fd
 

@@ -190,6 +190,7 @@ def _forget_unused(keep: tuple[int, int]) -> None:
 
 
 def _names(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (it was not deleted or replaced)."""
     try:
         a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
     except OSError:
@@ -197,19 +198,26 @@ def _names(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def open_no_link(path: Path, flags: int) -> int:
+    """``os.open`` of a name that must not be a symbolic link (flags include O_NOFOLLOW) or a
+    socket: those are UnsafeFileError, other errors pass through."""
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(path, "is a symbolic link, not a regular file") from None
+        if exc.errno == errno.ENXIO:  # a socket
+            raise UnsafeFileError(path, "is a socket, not a regular file") from None
+        raise
+
+
 def _open_locked_path(path: Path, *, create: bool, owner: int | None, create_mode: int) -> int:
     for _ in range(100):
         try:
-            fd = os.open(path, LOCK_OPEN_FLAGS)
+            fd = open_no_link(path, LOCK_OPEN_FLAGS)
         except FileNotFoundError:
             if not create:
                 raise
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise UnsafeFileError(path, "is a symbolic link, not a regular file") from None
-            if exc.errno == errno.ENXIO:  # a socket
-                raise UnsafeFileError(path, "is a socket, not a regular file") from None
-            raise
         else:
             check_regular(fd, path, owner)
             return fd
