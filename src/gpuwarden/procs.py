@@ -42,6 +42,18 @@ def die_with_parent(expected_ppid: int, *, exit_code: int = 1) -> None:
         os._exit(exit_code)
 
 
+def announce_group(reaper_fd: int) -> None:
+    """In a child between fork and exec (a ``preexec_fn``, after its setsid/setpgid): tell the
+    watcher the group this process leads, before it runs a single instruction of its own, so
+    that an owner SIGKILLed at once still has it killed. One write of one line: atomic on a pipe,
+    never mixed with the owner's own lines."""
+    if reaper_fd >= 0:
+        try:
+            os.write(reaper_fd, b"+%d\n" % os.getpid())
+        except OSError:
+            pass
+
+
 def shell_exit_code(returncode: int) -> int:
     """A subprocess returncode as a shell reports it: the exit code, or 128+N for signal N."""
     return returncode if returncode >= 0 else 128 - returncode
@@ -277,6 +289,12 @@ class GroupReaper:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def announce_fd(self) -> int:
+        """The watcher's input, for :func:`announce_group` in a child being started (-1: gone)."""
+        stdin = self._proc.stdin
+        return stdin.fileno() if stdin is not None and not stdin.closed else -1
 
     def _tell(self, line: str) -> None:
         if self._proc.stdin is not None:

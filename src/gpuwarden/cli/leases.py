@@ -33,21 +33,22 @@ def add_parser(sub: Any) -> None:
         "init",
         help="prepare a shared lease directory no user can break (run once, as root)",
         description="Create (or repair) the shared lease directory: owned by root, sticky, "
-        "with the mutex and one lock file per slot of every GPU of this host owned by root, so "
-        "no user can delete or replace a lock another user holds; users only open them to "
-        "flock, and create their own record files. Idempotent: run it again after adding GPUs "
-        "or to allow more slots per GPU. /run is emptied at boot: run it from a boot unit "
-        "(docs/leases.md).",
+        "with the mutex and one lock file per GPU of this host owned by root, so no user can "
+        "delete or replace a lock another user holds; users only lock bytes of them, and "
+        "create their own record files. It changes only files it made: a root-owned name with "
+        "another link count or mode is left and reported (exit 1). Idempotent: run it again "
+        "after adding GPUs or to allow more slots per GPU. /run is emptied at boot: run it "
+        "from a boot unit (docs/leases.md).",
     )
     init.add_argument("--dir", type=Path, default=None, metavar="D", dest="init_dir",
                       help="the directory to prepare (default /run/gpuwarden, which every "
                       "gpuwarden uses when it is prepared)")
     init.add_argument("--group", default=None, metavar="G",
-                      help="only members of group G may use it (mode 1770, lock files 0640); "
-                      "default: every user (1777, 0644)")
+                      help="only members of group G may use it (mode 1770, lock files 0660); "
+                      "default: every user (1777, 0666)")
     init.add_argument("--slots-per-gpu", type=int, default=None, metavar="K",
-                      help="create lock files for 1..K slots per GPU (default 8); a request "
-                      "with more slots per GPU is refused in a prepared directory")
+                      help="the most slots per GPU a request may use (default 8); a request "
+                      "with more is refused in a prepared directory")
     init.add_argument("--json", action="store_true", dest="init_json",
                       help="machine-readable output (schema_version 1)")
     p.set_defaults(run=run)

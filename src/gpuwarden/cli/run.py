@@ -20,6 +20,7 @@ from gpuwarden.cli.select import add_constraint_args, constraints_from_args
 from gpuwarden.errors import UsageError
 from gpuwarden.procs import (
     GroupReaper,
+    announce_group,
     die_with_parent,
     live_group_members,
     shell_exit_code,
@@ -121,7 +122,7 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
     forwarder = _Forwarder()
     try:
         with forwarder:
-            child = _start(cmd, env)
+            child = _start(cmd, env, reaper.announce_fd)
             pgid = child.pid
             reaper.add(pgid)
             forwarder.target(pgid)
@@ -137,17 +138,19 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
     return shell_exit_code(returncode)
 
 
-def _start(cmd: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start(cmd: Sequence[str], env: dict[str, str], reaper_fd: int) -> subprocess.Popen[bytes]:
     # Its own process group, and death with gpuwarden: the lease ends with gpuwarden, so must
-    # the command's use of the GPUs. (Other threads may exist at the fork: the preexec_fn
-    # makes system calls only, see procs.die_with_parent.)
+    # the command's use of the GPUs; the watcher learns of the group from the child itself,
+    # before the command runs. (Other threads may exist at the fork: the preexec_fn makes
+    # system calls only, see procs.die_with_parent.)
     parent = os.getpid()
     try:
         if sys.version_info >= (3, 11):
             return subprocess.Popen(list(cmd), env=env, process_group=0, preexec_fn=partial(
-                die_with_parent, parent, exit_code=128 + signal.SIGKILL))
+                _in_child, parent, reaper_fd))
         return subprocess.Popen(list(cmd), env=env,
-                                preexec_fn=partial(_setpgid_then_die_with_parent, parent))
+                                preexec_fn=partial(_setpgid_then_die_with_parent, parent,
+                                                   reaper_fd))
     except FileNotFoundError as exc:
         raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
                          ) from exc
@@ -216,10 +219,15 @@ class _Forwarder:
             signal.signal(sig, handler)
 
 
-def _setpgid_then_die_with_parent(parent: int) -> None:
-    # Python 3.10 has no Popen(process_group=...): the same two system calls, by hand.
-    os.setpgid(0, 0)
+def _in_child(parent: int, reaper_fd: int) -> None:
+    announce_group(reaper_fd)
     die_with_parent(parent, exit_code=128 + signal.SIGKILL)
+
+
+def _setpgid_then_die_with_parent(parent: int, reaper_fd: int) -> None:
+    # Python 3.10 has no Popen(process_group=...): the same system calls, by hand.
+    os.setpgid(0, 0)
+    _in_child(parent, reaper_fd)
 
 
 @contextlib.contextmanager

@@ -36,16 +36,25 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
-from gpuwarden.procs import _PRCTL, GroupReaper, ProcStat, proc_stat
+from gpuwarden.procs import _PRCTL, GroupReaper, ProcStat, announce_group, proc_stat
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 REAP_WAIT_S = 5.0  # after SIGKILL: a process in uninterruptible sleep is left, not waited for
 DESCENDANT_CHECK_S = 1.0  # the supervisor's adopt() tick: descendants looked for this often
 MAX_DESCENDANTS = 4096  # a descendant walk stops here (a fork bomb is not tracked one by one)
+
+
+def _in_child(cgroup: JobCgroup | None, reaper_fd: int) -> None:
+    """A rank between fork and exec (after setsid): into the job's cgroup, and known to the
+    watcher, before it runs a single instruction of its own. System calls only."""
+    if cgroup is not None:
+        cgroup.join_in_child()
+    announce_group(reaper_fd)
 
 
 def _prctl_subreaper(on: bool) -> bool:
@@ -239,10 +248,10 @@ class ProcessContext:
         self.subreaper = self._was_subreaper or _prctl_subreaper(True)
 
     def start(self, argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-        join: Callable[[], None] | None = self.cgroup.join_in_child if self.cgroup else None
         proc = subprocess.Popen(
             list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True, preexec_fn=join)
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            preexec_fn=partial(_in_child, self.cgroup, self.reaper.announce_fd))
         self._members[proc.pid] = _Member(proc, proc.pid)
         self._own.add(proc.pid)
         self.reaper.add(proc.pid)

@@ -27,6 +27,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import secrets
 import socket
 import sys
@@ -55,6 +56,7 @@ CHECKS_PER_USER = 128  # record files of one user opened in one scan (oldest fir
 RECORDS_PER_USER = 64  # live records of one user kept in one scan
 MAX_CHECKS = 4096  # record files opened in one scan, every user together
 SCAN_BUDGET_S = 0.25  # a scan stops here and says it saw only part of the directory
+NEW_NAMES_PER_SCAN = 2048  # record names seen for the first time that one scan looks at
 STALE_AGE_S = 0.0  # our own unlocked record this old is deleted by a scan (under the mutex)
 MAX_CORRUPT = 64  # unreadable records listed by one scan
 
@@ -143,6 +145,9 @@ class Record:
         for key in ("pid", "user", "started_at", "id"):
             data.pop(key, None)
         return data
+
+
+_OWN_FORM = re.compile(r"(?:holder|ticket)\.[0-9a-f]{32}\.json")  # what OwnedRecord names
 
 
 def new_token() -> str:
@@ -353,12 +358,20 @@ class Scanner:
         except OSError:
             return result
         _entries_by_dir[self._key] = seen
-        # What we know of each candidate (uid, age) without opening it: lstat, once per inode.
+        # What we know of each candidate (uid, age) without opening it: lstat, once per inode,
+        # at most NEW_NAMES_PER_SCAN new ones per scan (the rest in the next scans). Names of
+        # the form this version writes come first: a flood of other names waits behind them.
+        candidates.sort(key=lambda c: _OWN_FORM.fullmatch(c[0]) is None)
         known_now: dict[str, _Known] = {}
         previous = self._known
+        new_left = NEW_NAMES_PER_SCAN
         for name, ino, entry in candidates:
             known = previous.get(name)
             if known is None or known.ino != ino:
+                if new_left <= 0 or (not new_left & 255 and time.monotonic() > deadline):
+                    result.complete = False
+                    continue
+                new_left -= 1
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
