@@ -1,33 +1,48 @@
-"""Lease latency: acquire+release, uncontended and under contention, beside filelock.
+"""Lease latency before and after a change, beside filelock, and under the attacks of issue 25.
 
-What is measured (simulated host, private lease directory in /tmp, CPU only):
+What is measured (simulated 2-GPU host, private lease directories in /dev/shm, CPU only), for
+the implementation of this checkout ("after") and the one of a git ref ("before", default
+``main``, extracted with ``git archive``) in the same run, each in fresh processes:
 
-- uncontended: one process leasing 1 GPU and releasing it, in a loop;
-- contended: P processes looping "lease 1 GPU (wait), hold H ms, release" on the same
-  host; latency = asking to granted, and hand-off = a release to the next grant of that GPU;
+- uncontended: one process leasing 1 GPU and releasing it, in a loop (before and after
+  alternate, twice each: the host's load drifts);
+- contended: P processes looping "lease 1 GPU (wait), hold H ms, release"; latency = asking
+  to granted, hand-off = a release to the next grant of that GPU, throughput;
+- attacks, one request each (time to answer; one attempt): with 10k names planted in the
+  directory (600 of them slot-like for K values nobody uses), with 3000 live records padded
+  with '[', and with 100k flocks held elsewhere on the host (/proc/locks grows by as many
+  lines) while one lease is held;
 - competitor: filelock.FileLock (what ad-hoc "GPU lock" scripts use; torch depends on it)
   on one lock file per GPU, same loops. filelock polls every 50 ms by default when waiting.
 
-It is not a test; run it: ``python benchmarks/bench_lease.py [--quick]``.
+It is not a test; run it: ``python benchmarks/bench_lease.py [--quick] [--before REF]``.
+While the 100k flocks are held, any program that reads /proc/locks (an older gpuwarden
+included) is slow host-wide: the flocks are held for the few seconds of that measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = {
     "hostname": "bench",
     "gpus": [{"index": i, "uuid": f"GPU-bench-{i}", "memory_total_mib": 24576,
               "memory_used_mib": 0} for i in range(2)],
 }
+ATTACK_TIMEOUT_S = 30.0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -37,11 +52,13 @@ def pct(values: list[float], q: float) -> float:
 
 def summary(name: str, values_s: list[float]) -> str:
     ms = [v * 1000 for v in values_s]
-    return (f"{name:<44} n={len(ms):<5} median {statistics.median(ms):8.3f} ms   "
+    return (f"{name:<46} n={len(ms):<5} median {statistics.median(ms):8.3f} ms   "
             f"p99 {pct(ms, 0.99):8.3f} ms")
 
 
-def uncontended_gpuwarden(n: int) -> list[float]:
+# -- what runs inside one implementation's process ---------------------------------------------
+
+def uncontended(n: int) -> list[float]:
     from gpuwarden.lease import acquire
 
     acquire(1).release()  # warm: files exist, modules imported
@@ -53,20 +70,46 @@ def uncontended_gpuwarden(n: int) -> list[float]:
     return out
 
 
-def uncontended_filelock(n: int, directory: Path) -> list[float]:
-    from filelock import FileLock
+def one_request(hold_gpu1: bool) -> tuple[float, float]:
+    """Seconds of one acquire(1)+release (one attempt: a GPU is free), wall and this process's
+    CPU (the work itself, on a host where other jobs share the cores). ``hold_gpu1``: a child
+    holds GPU 1 meanwhile, so the directory has a live record to read."""
+    from gpuwarden.lease import acquire
 
-    lock = FileLock(str(directory / "gpu0.lock"))
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        lock.acquire()
-        lock.release()
-        out.append(time.perf_counter() - t)
-    return out
+    # Everything a first lease imports, in a directory of its own: what is timed below is the
+    # request in the attacked directory, not the interpreter's first use of the modules.
+    scratch = Path(tempfile.mkdtemp(prefix="warm-", dir="/dev/shm"))
+    acquire(1, lease_dir=scratch / "leases").release()
+    child_r, child_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = -1
+    if hold_gpu1:
+        pid = os.fork()
+        if pid == 0:
+            grant = acquire(1, constraints=_only("GPU-bench-1"))
+            os.write(child_w, b"1")
+            os.read(stop_r, 1)
+            grant.release()
+            os._exit(0)
+        os.read(child_r, 1)
+    try:
+        t, cpu = time.perf_counter(), time.process_time()
+        acquire(1).release()
+        return time.perf_counter() - t, time.process_time() - cpu
+    finally:
+        if pid > 0:
+            os.write(stop_w, b"1")
+            os.waitpid(pid, 0)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _gpuwarden_loop(out: Path, loops: int, hold_s: float) -> Callable[[], None]:
+def _only(uuid: str) -> object:
+    from gpuwarden.select import Constraints
+
+    return Constraints(include=(uuid,))
+
+
+def contended_loop(out: Path, loops: int, hold_s: float) -> Callable[[], None]:
     def body() -> None:
         from gpuwarden.lease import acquire
 
@@ -86,8 +129,7 @@ def _gpuwarden_loop(out: Path, loops: int, hold_s: float) -> Callable[[], None]:
     return body
 
 
-def _filelock_loop(out: Path, loops: int, hold_s: float, directory: Path
-                   ) -> Callable[[], None]:
+def filelock_loop(out: Path, loops: int, hold_s: float, directory: Path) -> Callable[[], None]:
     def body() -> None:
         from filelock import FileLock, Timeout
 
@@ -121,8 +163,21 @@ def _filelock_loop(out: Path, loops: int, hold_s: float, directory: Path
     return body
 
 
+def uncontended_filelock(n: int, directory: Path) -> list[float]:
+    from filelock import FileLock
+
+    lock = FileLock(str(directory / "gpu0.lock"))
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        lock.acquire()
+        lock.release()
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def run_processes(make: Callable[[Path], Callable[[], None]], procs: int, tmp: Path
-                  ) -> tuple[list[float], list[float], float]:
+                  ) -> dict[str, object]:
     out = tmp / f"out-{time.monotonic_ns()}.jsonl"
     started = time.monotonic()
     gate_r, gate_w = os.pipe()
@@ -157,7 +212,126 @@ def run_processes(make: Callable[[Path], Callable[[], None]], procs: int, tmp: P
         for (_g1, r1, _a1), (g2, _r2, a2) in zip(spans, spans[1:], strict=False):
             if a2 < r1:  # the next holder was already waiting when this one released
                 handoff.append(g2 - r1)
-    return latency, handoff, wall_s
+    return {"latency": latency, "handoff": handoff, "wall_s": wall_s, "ops": len(rows)}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One measurement in this process, with the implementation on sys.path[0]; JSON out."""
+    if args.kind == "uncontended":
+        result: object = uncontended(args.n)
+    elif args.kind == "contended":
+        tmp = Path(args.tmp)
+        result = run_processes(lambda out: contended_loop(out, args.loops, args.hold_s),
+                               args.procs, tmp)
+    elif args.kind == "request":
+        result = one_request(args.hold_gpu1)
+    else:
+        raise SystemExit(f"unknown kind {args.kind}")
+    print(json.dumps(result))
+
+
+# -- the parent: one implementation after another, in fresh processes ----------------------------
+
+def extract(ref: str, into: Path) -> Path:
+    """The package of git ref ``ref``, extracted under ``into``; its src directory."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref,
+                              "src/gpuwarden"], capture_output=True, check=True).stdout
+    into.mkdir(parents=True, exist_ok=True)
+    tar = into / "before.tar"
+    tar.write_bytes(archive)
+    with tarfile.open(tar) as t:
+        t.extractall(into, filter="data")
+    return into / "src"
+
+
+def measure(src: Path, kind: str, env: dict[str, str], *extra: str,
+            timeout_s: float | None = None) -> object | None:
+    """Run one measurement with the implementation at ``src``; None when it timed out."""
+    cmd = [sys.executable, __file__, "--worker", kind, "--impl", str(src), *extra]
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} with {src} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fresh_dir(tmp: Path, name: str) -> Path:
+    path = tmp / f"{name}-{time.monotonic_ns()}"
+    path.mkdir(mode=0o700)
+    return path
+
+
+def plant_names(directory: Path) -> None:
+    """10k names: 600 slot-like for K values nobody uses (an older gpuwarden opened K files
+    for each, under its mutex), and 9400 others."""
+    for i in range(600):
+        (directory / f"slot.GPU-bench-0.k{9700 + i}.s0.lock").touch()
+    for i in range(9400):
+        (directory / f"junk.{i}").touch()
+
+
+def hold_padded_records(directory: Path, count: int) -> int:
+    """A child holding ``count`` live records padded with '[' (a flock, as an older gpuwarden
+    checks, and a record lock, as this one does); returns its pid (SIGTERM ends it)."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        fds = []
+        pad = b"[" * 16000
+        for i in range(count):
+            path = directory / f"ticket.padded{i}.json"
+            path.write_bytes(pad)
+            fd = os.open(path, os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            fds.append(fd)
+        os.write(ready_w, b"1")
+        time.sleep(3600)
+        os._exit(0)
+    os.read(ready_r, 1)
+    return pid
+
+
+def hold_flocks(count: int, tmp: Path) -> list[int]:
+    """Children holding ``count`` flocks on files of their own, a few per file (the kernel's
+    per-file lists stay short), each child within the open-files limit; returns their pids."""
+    import resource
+
+    per_child = max(1000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 200)
+    own = tmp / f"flocks-{time.monotonic_ns()}"
+    own.mkdir()
+    files = [own / str(i) for i in range(-(-count // 20))]
+    for f in files:
+        f.touch()
+    pids = []
+    ready_r, ready_w = os.pipe()
+    for start in range(0, count, per_child):
+        pid = os.fork()
+        if pid == 0:
+            fds = []
+            for i in range(start, min(count, start + per_child)):
+                fd = os.open(files[i // 20], os.O_RDONLY)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                fds.append(fd)
+            os.write(ready_w, b"1")
+            time.sleep(3600)
+            os._exit(0)
+        pids.append(pid)
+    for _ in pids:
+        os.read(ready_r, 1)
+    return pids
+
+
+def stop(pids: list[int]) -> None:
+    import signal
+
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        os.waitpid(pid, 0)
 
 
 def main() -> int:
@@ -165,50 +339,105 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument("--procs", type=int, default=8)
     parser.add_argument("--hold-ms", type=float, default=5.0)
+    parser.add_argument("--before", default="main", help="git ref of the implementation to "
+                        "compare with (default: main)")
+    parser.add_argument("--flocks", type=int, default=100_000)
+    # Internal: one measurement in a fresh process.
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--impl", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, default=1000, help=argparse.SUPPRESS)
+    parser.add_argument("--loops", type=int, default=40, help=argparse.SUPPRESS)
+    parser.add_argument("--hold-s", type=float, default=0.005, help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hold-gpu1", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, args.impl)
+        args.kind = args.worker
+        worker(args)
+        return 0
+
     n = 200 if args.quick else 1000
     loops = 15 if args.quick else 40
     hold_s = args.hold_ms / 1000
-
-    with tempfile.TemporaryDirectory(prefix="gpuwarden-bench-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="gpuwarden-bench-", dir="/dev/shm") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "host.json").write_text(json.dumps(SCENARIO))
-        os.environ["GPUWARDEN_SIMULATE"] = str(tmp / "host.json")
-        os.environ["GPUWARDEN_LEASE_DIR"] = str(tmp / "leases")
+        before = extract(args.before, tmp / "before")
+        after = ROOT / "src"
+        impls = {"before": before, "after": after}
+        base_env = {"GPUWARDEN_SIMULATE": str(tmp / "host.json")}
+        print(f"simulated 2-GPU host, {os.cpu_count()} CPU(s), python {sys.version.split()[0]}, "
+              f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = this "
+              "checkout")
+
+        print(f"uncontended acquire+release, 1 process ({n} x 2 runs each, alternating):")
+        runs: dict[str, list[float]] = {"before": [], "after": []}
+        for _round in range(2):
+            for name, src in impls.items():
+                env = {**base_env, "GPUWARDEN_LEASE_DIR": str(fresh_dir(tmp, name))}
+                runs[name] += measure(src, "uncontended", env, "--n", str(n))  # type: ignore[operator]
+        for name in impls:
+            print("  " + summary(f"gpuwarden {name}", runs[name]))
+        os.environ.update(base_env)
         (tmp / "fl").mkdir()
-        print(f"simulated 2-GPU host, {os.cpu_count()} CPU(s), python {sys.version.split()[0]}")
-        print("uncontended acquire+release, 1 process:")
-        ours = uncontended_gpuwarden(n)
         theirs = uncontended_filelock(n, tmp / "fl")
-        print("  " + summary("gpuwarden lease(1) (select + lock + record)", ours))
         print("  " + summary("filelock.FileLock (one lock, no selection)", theirs))
-        print(f"  ratio gpuwarden / filelock (median): "
-              f"{statistics.median(ours) / statistics.median(theirs):.1f}x")
+        ratio = statistics.median(runs["after"]) / statistics.median(runs["before"])
+        print(f"  after / before (median): {ratio:.2f}x; after / filelock: "
+              f"{statistics.median(runs['after']) / statistics.median(theirs):.1f}x")
 
         print(f"contended: {args.procs} processes x {loops} loops, hold {args.hold_ms:g} ms, "
               "2 GPUs:")
-        ours_lat, ours_hand, ours_wall = run_processes(
-            lambda out: _gpuwarden_loop(out, loops, hold_s), args.procs, tmp)
-        fl_lat, fl_hand, fl_wall = run_processes(
-            lambda out: _filelock_loop(out, loops, hold_s, tmp / "fl"), args.procs, tmp)
-        print("  " + summary("gpuwarden: ask -> granted", ours_lat)
-              + f"   max {max(ours_lat) * 1000:8.1f} ms")
-        print("  " + summary("filelock:  ask -> granted", fl_lat)
-              + f"   max {max(fl_lat) * 1000:8.1f} ms")
-        print("  " + summary("gpuwarden: release -> next waiter's grant", ours_hand))
-        print("  " + summary("filelock:  release -> next waiter's grant", fl_hand))
-        ops = args.procs * loops
-        print(f"  throughput: gpuwarden {ops / ours_wall:6.1f} leases/s, filelock "
-              f"{ops / fl_wall:6.1f} leases/s (ideal {2 / hold_s:.0f}/s with 2 GPUs)")
-        print(f"  ratios gpuwarden / filelock: hand-off (median) "
-              f"{statistics.median(ours_hand) / statistics.median(fl_hand):.2f}x, worst wait "
-              f"{max(ours_lat) / max(fl_lat):.2f}x, throughput {fl_wall / ours_wall:.2f}x")
-        if (statistics.median(fl_lat) < statistics.median(ours_lat)
-                and max(fl_lat) > max(ours_lat)):
-            # Only when the numbers show it: a short median with a long tail is what unordered
-            # service looks like (a releasing process takes the lock straight back).
-            print("  (filelock: shorter median wait but a longer worst wait: it serves in no "
-                  "order, so a releasing process often takes the lock straight back)")
+        results: dict[str, dict[str, object]] = {}
+        for name, src in impls.items():
+            env = {**base_env, "GPUWARDEN_LEASE_DIR": str(fresh_dir(tmp, name))}
+            results[name] = measure(src, "contended", env, "--loops", str(loops), "--hold-s",  # type: ignore[assignment]
+                                    str(hold_s), "--tmp", str(tmp), "--n", "0",
+                                    *("--procs", str(args.procs)))
+        results["filelock"] = run_processes(
+            lambda out: filelock_loop(out, loops, hold_s, tmp / "fl"), args.procs, tmp)
+        for name, r in results.items():
+            lat = r["latency"]
+            print("  " + summary(f"{name}: ask -> granted", lat)  # type: ignore[arg-type]
+                  + f"   max {max(lat) * 1000:8.1f} ms")  # type: ignore[arg-type]
+        for name, r in results.items():
+            print("  " + summary(f"{name}: release -> next waiter's grant", r["handoff"]))  # type: ignore[arg-type]
+        print("  throughput: " + ", ".join(
+            f"{name} {r['ops'] / r['wall_s']:6.1f} leases/s"  # type: ignore[operator]
+            for name, r in results.items()) + f" (ideal {2 / hold_s:.0f}/s with 2 GPUs)")
+
+        print(f"one request under attack (one attempt, modules already imported; wall time and "
+              f"the requesting process's CPU time; '>{ATTACK_TIMEOUT_S:.0f} s' = not answered):")
+        attacks = {
+            "10k planted names (600 slot-like)": ("names", False),
+            "3000 live records padded with '['": ("padded", True),
+            f"{args.flocks // 1000}k flocks held elsewhere, 1 lease held": ("flocks", True),
+        }
+        for label, (what, hold_gpu1) in attacks.items():
+            line = []
+            for name, src in impls.items():
+                directory = fresh_dir(tmp, f"{name}-{what}")
+                env = {**base_env, "GPUWARDEN_LEASE_DIR": str(directory)}
+                measure(src, "request", env)  # the directory made, modules warm on disk
+                helpers: list[int] = []
+                if what == "names":
+                    plant_names(directory)
+                elif what == "padded":
+                    helpers = [hold_padded_records(directory, 3000)]
+                else:
+                    helpers = hold_flocks(args.flocks, tmp)
+                try:
+                    took = measure(src, "request", env, *(["--hold-gpu1"] if hold_gpu1 else []),
+                                   timeout_s=ATTACK_TIMEOUT_S)
+                finally:
+                    stop(helpers)
+                if took is None:
+                    line.append(f"{name} >{ATTACK_TIMEOUT_S:.0f} s")
+                else:
+                    wall, cpu = took  # type: ignore[misc]
+                    line.append(f"{name} {wall * 1000:8.1f} ms ({cpu * 1000:6.1f} ms CPU)")
+            print(f"  {label:<44} " + "   ".join(line))
     return 0
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
+import struct
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+F_OFD_SETLK = 37  # <fcntl.h>; Python's fcntl module has no name for it
 
 
 def fork_child(body: Callable[[], None], *, gate: tuple[int, int] | None = None) -> int:
@@ -101,3 +106,56 @@ def overlaps(records: list[dict[str, Any]]) -> list[str]:
                     bad.append(f"{uuid}: pid {p1} [{s1:.4f},{e1:.4f}] k={k1} slots {sorted(sl1)}"
                                f" overlaps pid {p2} [{s2:.4f},{e2:.4f}] k={k2} slots {sorted(sl2)}")
     return bad
+
+
+@contextlib.contextmanager
+def kept_in_child(setup: Callable[[], Any]) -> Iterator[int]:
+    """Run ``setup`` in a forked child that keeps what it opened (locks, a lease) until the
+    block ends; yields the child's pid."""
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(stop_w)
+            kept = setup()  # noqa: F841 (kept alive: its descriptors hold the locks)
+            os.write(ready_w, b"1")
+            os.read(stop_r, 1)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(stop_r)
+    try:
+        assert os.read(ready_r, 1) == b"1", "the child's set-up failed (see stderr)"
+        yield pid
+    finally:
+        os.close(stop_w)
+        os.close(ready_r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        wait_all([pid], timeout_s=30)
+
+
+def hold_record_lock(path: Path, *, start: int = 0, length: int = 0, write: bool = True,
+                     ofd: bool = False, content: bytes | None = None
+                     ) -> contextlib.AbstractContextManager[int]:
+    """A forked child holds a record lock on ``path`` (a POSIX lock, or an open-file-description
+    one with ``ofd``) until the block ends; yields the child's pid.
+
+    In another process because a process never conflicts with its own POSIX locks, and any
+    close of the file in this process would drop them."""
+    def lock() -> int:
+        if content is not None:
+            path.write_bytes(content)
+        fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+        kind = fcntl.F_WRLCK if write else fcntl.F_RDLCK
+        cmd = F_OFD_SETLK if ofd else fcntl.F_SETLK
+        fcntl.fcntl(fd, cmd, struct.pack("hhqqi4x", kind, 0, start, length, 0))
+        return fd
+
+    return kept_in_child(lock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -21,7 +22,13 @@ from gpuwarden.errors import (
     UsageError,
 )
 from gpuwarden.lease import acquire, lease, list_leases
-from tests._lease_util import fork_child, hold_and_record, read_records, wait_all
+from tests._lease_util import (
+    fork_child,
+    hold_and_record,
+    hold_record_lock,
+    read_records,
+    wait_all,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -257,74 +264,113 @@ def test_processes_of_lease_holders_are_not_foreign(scenario, lease_dir, tmp_pat
 
 def test_stale_and_corrupt_records_never_block_or_crash(scenario, lease_dir):
     scenario("two_idle")
-    stale = {"schema": 1, "kind": "holder", "id": "ghost", "pid": 1, "user": "alice",
-             "host": "x", "command": "train.py", "label": "", "started_at": 0,
+    stale = {"schema": 2, "kind": "holder", "host": "x", "command": "train.py", "label": "",
              "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1, "slots": [0]}]}
     (lease_dir / "holder.ghost.json").write_text(json.dumps(stale))  # nobody holds its lock
     (lease_dir / "holder.garbage.json").write_bytes(b"\x00{not json")
     (lease_dir / "ticket.trunc.json").write_text('{"kind": "ticket", "arrival_ns": 1, "elig')
-    (lease_dir / "slot.bogus.lock").write_text("")
+    (lease_dir / "gpu.bogus.lock").write_text("")
     (lease_dir / "notes.txt").write_text("hello")
     # A corrupt record whose owner is alive (it holds the lock) is shown, and ignored.
     live_corrupt = lease_dir / "ticket.alive.json"
-    live_corrupt.write_text('{"kind": "ticket", "eligible": ["' + GPU0 + '"')
-    fd = os.open(live_corrupt, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
+    with hold_record_lock(live_corrupt, content=b'{"kind": "ticket", "uuids": ["' +
+                          GPU0.encode() + b'"'):
         with lease(2) as grant:
             assert grant.visible_devices == "0,1"
         assert not (lease_dir / "holder.ghost.json").exists()  # our own stale record: removed
         table = list_leases()
         assert [c.path.name for c in table.corrupt] == ["ticket.alive.json"]
-    finally:
-        os.close(fd)
 
 
-def test_a_forged_live_record_does_not_block_a_gpu(scenario, lease_dir):
-    """A record is believed only when the kernel's lock table names the pid it claims: one
-    that claims pid 1 (user root) while another process holds its lock blocks nothing and
-    is listed as forged."""
+def test_a_records_pid_and_user_are_the_kernels_never_what_it_says(scenario, lease_dir):
+    """A live record claiming to be pid 1 of user alice is the process that holds its lock, of
+    the user who owns the file: it holds GPUs under that name, the only one it can have."""
     scenario("two_idle")
-    forged = {"schema": 1, "kind": "holder", "id": "forged", "pid": 1, "user": "root",
-              "host": "x", "command": "x", "label": "", "started_at": time.time(),
-              "claims": [{"uuid": u, "index": i, "slots_per_gpu": 1, "slots": [0]}
-                         for i, u in enumerate((GPU0, GPU1))]}
+    forged = {"schema": 2, "kind": "holder", "pid": 1, "user": "alice", "host": "x",
+              "command": "x", "label": "", "started_at": 0,
+              "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1, "slots": [0]}]}
     path = lease_dir / "holder.forged.json"
-    path.write_text(json.dumps(forged))
-    fd = os.open(path, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        with lease(2) as grant:
-            assert grant.visible_devices == "0,1"
-        [bad] = list_leases().corrupt
-        assert "forged: claims pid 1" in bad.problem and f"pid {os.getpid()}" in bad.problem
-    finally:
-        os.close(fd)
-
-
-def test_a_claim_without_a_record_still_blocks_and_is_listed(scenario, lease_dir):
-    scenario("two_idle")
-    with lease(2):
-        pass  # creates the slot files
-    fd = os.open(lease_dir / f"slot.{GPU0}.k1.s0.lock", os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        with lease(1) as grant:
-            assert grant.visible_devices == "1"
-        assert list_leases().unrecorded == ((GPU0, 1, 0),)
+    with hold_record_lock(path, content=json.dumps(forged).encode()) as pid:
+        [holder] = list_leases().holders
+        assert (holder.pid, holder.user) == (pid, pwd.getpwuid(os.geteuid()).pw_name)
         with pytest.raises(LeaseUnavailableError) as info:
             acquire(2)
-        assert "GPU0 leased by a process that left no record" in info.value.render()
+        assert f"GPU0 leased by pid {pid} (" in info.value.render()
+        assert "alice" not in info.value.render() and "pid 1 " not in info.value.render()
+
+
+def test_an_older_gpuwardens_live_lease_is_kept_off_and_ours_is_visible_to_it(scenario,
+                                                                             lease_dir):
+    """During an upgrade both versions share a directory: a lease of the version before this
+    one (a flock on its record, one lock file per slot) keeps this one off its GPU; a record
+    of this one carries a flock and the fields the older version reads, so it keeps off ours."""
+    scenario("two_idle")
+    old = {"schema": 1, "kind": "holder", "id": "old", "pid": 4242, "user": "alice",
+           "host": "x", "command": "python train.py", "label": "old job", "started_at": 0,
+           "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1, "slots": [0]}]}
+    path = lease_dir / "holder.host-4242-old.json"
+    path.write_text(json.dumps(old))
+    fd = os.open(path, os.O_RDONLY)
+    pid = fork_child(lambda: (fcntl.flock(fd, fcntl.LOCK_EX), time.sleep(30)))
+    try:
+        _wait_for(lambda: not _flock_free(path))
+        with lease(1) as grant:
+            assert grant.visible_devices == "1"
+            why = refusal_of(lambda: acquire(1))
+            assert "GPU0 leased by pid 4242 (" in why and "an older gpuwarden's lease" in why
+            [mine] = [p for p in lease_dir.glob("holder.*.json") if p != path]
+            assert not _flock_free(mine)  # the older version sees it live
+            data = json.loads(mine.read_text())
+            assert data["pid"] == os.getpid() and data["id"] and data["claims"][0]["uuid"] == GPU1
+        assert path.exists()  # never deleted as stale: its owner lives
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        wait_all([pid], timeout_s=10)
+        os.close(fd)
+
+
+def _flock_free(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
     finally:
         os.close(fd)
+
+
+def refusal_of(ask) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(LeaseUnavailableError) as info:
+        ask()
+    return info.value.render()
+
+
+@pytest.mark.parametrize("ofd", [False, True], ids=["posix", "ofd"])
+def test_a_claim_without_a_record_still_blocks_and_is_listed(scenario, lease_dir, ofd):
+    scenario("two_idle")
+    with lease(2):
+        pass  # creates the lock files
+    with hold_record_lock(lease_dir / f"gpu.{GPU0}.lock", start=0, length=1, ofd=ofd) as pid:
+        with lease(1) as grant:
+            assert grant.visible_devices == "1"
+        [held] = list_leases().unrecorded
+        assert (held.uuid, held.slots_per_gpu, held.slot) == (GPU0, 1, 0)
+        with pytest.raises(LeaseUnavailableError) as info:
+            acquire(2)
+        why = info.value.render()
+        if ofd:  # the kernel names no process for an open-file-description lock
+            assert "GPU0 leased by an open file description lock" in why, why
+        else:
+            assert f"GPU0 leased by pid {pid} (" in why and "without a lease record" in why, why
 
 
 # -- the lease directory ------------------------------------------------------------------------
 
-def test_missing_lease_dir_is_created_sticky_by_root_private_by_a_user(scenario, tmp_path,
-                                                                       monkeypatch):
-    """Root's directory is shared (1777, like /tmp); a user's is private (0700): no other user
-    would trust a directory a user owns, since its owner could delete their lock files."""
+def test_a_missing_lease_dir_is_created_private_root_included(scenario, tmp_path, monkeypatch):
+    """A directory gpuwarden makes is its user's own (0700), root's too: a shared one is made by
+    `leases init`, which knows it makes one (a world-writable directory root made on the side
+    was one anyone could plant names in)."""
     scenario("two_idle")
     path = tmp_path / "new-leases"
     monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(path))
@@ -334,7 +380,7 @@ def test_missing_lease_dir_is_created_sticky_by_root_private_by_a_user(scenario,
             pass
     finally:
         os.umask(old)
-    assert path.stat().st_mode & 0o7777 == (0o1777 if os.geteuid() == 0 else 0o700)
+    assert path.stat().st_mode & 0o7777 == 0o700
     for f in path.iterdir():
         assert f.stat().st_mode & 0o044 == 0o044, f"{f.name} is not readable by other users"
 
@@ -397,6 +443,8 @@ def test_another_user_shares_the_lease_dir_and_its_locks(scenario, shared_tmp, m
     path.chmod(0o644)
     scenario(path)
     monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(shared_tmp / "leases"))
+    (shared_tmp / "leases").mkdir()
+    (shared_tmp / "leases").chmod(0o1777)  # shared by hand, like /tmp (not prepared)
     old = os.umask(0o077)  # our files must still be lockable by the other user
     try:
         with lease(1):

@@ -74,6 +74,8 @@ GPUWARDEN_CODES = {
     "RANK_EXITED_EARLY": "a rank exited (code 0) while the other ranks still needed it in a "
     "collective: their errors are echoes of it",
     "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
+    "OUT_OF_MEMORY": "gpuwarden's own process ran out of memory (its limit is lower than it "
+    "needs); what it started was stopped",
     "NODE_ABORTED": "another node of a multi-node job failed (or its rendezvous store went away), "
     "so this node stopped its ranks",
     "RANK_STRAGGLER": "the other ranks keep waiting in collectives for one rank, the last to "

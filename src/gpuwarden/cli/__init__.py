@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpuwarden import __version__
-from gpuwarden.errors import EXIT_USAGE, GpuwardenError
+from gpuwarden.errors import EXIT_FAILURE, EXIT_USAGE, GpuwardenError
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
@@ -66,6 +67,30 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except MemoryError:
+        # gpuwarden's own process hit its memory limit (ulimit -v, a cgroup's memory.max):
+        # a report, not a traceback. What it started was stopped on the way out (launch's
+        # supervisor stops its ranks in a finally block).
+        return _out_of_memory(args)
+
+
+def _out_of_memory(args: argparse.Namespace) -> int:
+    import gc
+
+    gc.collect()  # what the failed work held is garbage now: room to say what happened
+    command = " ".join(x for x in ("gpuwarden", getattr(args, "command", None)) if x)
+    error = GpuwardenError(
+        f"{command} ran out of memory in its own process (pid {os.getpid()})",
+        why="an allocation failed (MemoryError): the process's memory limit (ulimit -v, the "
+        "cgroup's memory.max, a job scheduler's limit) is lower than it needs",
+        fix="raise the memory limit of the process that runs gpuwarden; for launch, the ranks "
+        "have limits of their own",
+        code="OUT_OF_MEMORY")
+    try:
+        error.emit(sys.stderr)
+    except MemoryError:
+        os.write(2, b"error[OUT_OF_MEMORY]: gpuwarden ran out of memory in its own process\n")
+    return EXIT_FAILURE
 
 
 def inventory_of(args: argparse.Namespace) -> Inventory:

@@ -33,21 +33,22 @@ def add_parser(sub: Any) -> None:
         "init",
         help="prepare a shared lease directory no user can break (run once, as root)",
         description="Create (or repair) the shared lease directory: owned by root, sticky, "
-        "with the mutex and one lock file per slot of every GPU of this host owned by root, so "
-        "no user can delete or replace a lock another user holds; users only open them to "
-        "flock, and create their own record files. Idempotent: run it again after adding GPUs "
-        "or to allow more slots per GPU. /run is emptied at boot: run it from a boot unit "
-        "(docs/leases.md).",
+        "with the mutex and one lock file per GPU of this host owned by root, so no user can "
+        "delete or replace a lock another user holds; users only lock bytes of them, and "
+        "create their own record files. It changes only files it made: a root-owned name with "
+        "another link count or mode is left and reported (exit 1). Idempotent: run it again "
+        "after adding GPUs or to allow more slots per GPU. /run is emptied at boot: run it "
+        "from a boot unit (docs/leases.md).",
     )
     init.add_argument("--dir", type=Path, default=None, metavar="D", dest="init_dir",
                       help="the directory to prepare (default /run/gpuwarden, which every "
                       "gpuwarden uses when it is prepared)")
     init.add_argument("--group", default=None, metavar="G",
-                      help="only members of group G may use it (mode 1770, lock files 0640); "
-                      "default: every user (1777, 0644)")
+                      help="only members of group G may use it (mode 1770, lock files 0660); "
+                      "default: every user (1777, 0666)")
     init.add_argument("--slots-per-gpu", type=int, default=None, metavar="K",
-                      help="create lock files for 1..K slots per GPU (default 8); a request "
-                      "with more slots per GPU is refused in a prepared directory")
+                      help="the most slots per GPU a request may use (default 8); a request "
+                      "with more is refused in a prepared directory")
     init.add_argument("--json", action="store_true", dest="init_json",
                       help="machine-readable output (schema_version 1)")
     p.set_defaults(run=run)
@@ -57,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "init":
         return _init(args)
     from gpuwarden.lease import list_leases
-    from gpuwarden.lease._fs import lease_dir_choice, printable
+    from gpuwarden.lease._fs import lease_dir_choice
     from gpuwarden.lease.status import describe_request
+    from gpuwarden.safetext import escape_untrusted
 
     if args.dir is not None:
         directory, warning = args.dir, None
@@ -75,10 +77,17 @@ def run(args: argparse.Namespace) -> int:
         note(f"gpuwarden: the lease directory's mutex is held by {table.mutex_holders}: "
              "this listing may race a request")
     for bad in table.corrupt:
-        note(f"gpuwarden: ignored a lease record {printable(str(bad.path))} ({bad.problem})")
-    for uuid, k, slot in table.unrecorded:
-        note(f"gpuwarden: {printable(uuid)} slot {slot} of {k} is held by a process that left "
-             "no record")
+        note(f"gpuwarden: ignored a lease record {escape_untrusted(str(bad.path))} "
+             f"({escape_untrusted(bad.problem)})")
+    for held in table.unrecorded:
+        note(f"gpuwarden: {escape_untrusted(held.uuid)} slot {held.slot} of "
+             f"{held.slots_per_gpu} is held by {held.holder}, which left no lease record")
+    for user, count in table.left_out:
+        note(f"gpuwarden: {count} more record(s) of {user} not read (each user's oldest are "
+             "read, up to a bound per listing)")
+    if not table.complete:
+        note("gpuwarden: the lease directory holds more than one listing reads: this listing "
+             "is partial")
     if not table.exists:
         note(f"no leases: the lease directory {table.directory} does not exist yet")
         return 0
@@ -96,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
         wait_rows = []
         for pos, t in enumerate(table.tickets, 1):
             want = describe_request(t.gpus_wanted, 0, t.slots_per_gpu, t.slots_each)
-            held_back = "-" if t.stopped or not t.eligible else ",".join(t.eligible)
+            may_use = "-" if t.stopped or not t.uuids else ",".join(t.uuids)
             wait_rows.append([str(pos), _pid(t), t.user, t.label or t.command, want,
-                              format_duration(max(0.0, now - t.started_at)), held_back])
-        emit_table(["#", "pid", "user", "label", "wants", "waiting", "holds back"], wait_rows,
+                              format_duration(max(0.0, now - t.started_at)), may_use])
+        emit_table(["#", "pid", "user", "label", "wants", "waiting", "may use"], wait_rows,
                    title=f"{len(table.tickets)} request(s) waiting, in arrival order")
     return 0
 
@@ -128,4 +137,7 @@ def _init(args: argparse.Namespace) -> int:
     for name in report.held:
         note(f"gpuwarden: left {name}: a user's lock file held right now; run init again when "
              "it is free")
-    return 1 if report.held else 0
+    for name in report.refused:
+        note(f"gpuwarden: left {name} untouched: root's, but not a file init makes (a hard "
+             "link to another file, or another mode); remove it yourself and run init again")
+    return 1 if report.held or report.refused else 0

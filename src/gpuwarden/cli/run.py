@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -17,7 +18,14 @@ from typing import Any
 from gpuwarden.cli._output import note
 from gpuwarden.cli.select import add_constraint_args, constraints_from_args
 from gpuwarden.errors import UsageError
-from gpuwarden.procs import GroupReaper, die_with_parent, shell_exit_code, short_command
+from gpuwarden.procs import (
+    GroupReaper,
+    announce_group,
+    die_with_parent,
+    live_group_members,
+    shell_exit_code,
+    short_command,
+)
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
@@ -109,64 +117,117 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
     # after the command, a kill during its start-up (~20 ms) left the command's children alive:
     # PDEATHSIG reaches only the direct child. Now the window is Popen's return to add().
     reaper = GroupReaper()
+    # Forwarding too: a signal that comes while the command starts is passed on once its group
+    # is known (before, it stopped gpuwarden alone and left the command running).
+    forwarder = _Forwarder()
     try:
-        # Its own process group, and death with gpuwarden: the lease ends with gpuwarden,
-        # so must the command's use of the GPUs. (Other threads, lease watchers, may exist
-        # at the fork: the preexec_fn makes system calls only, see procs.die_with_parent.)
-        parent = os.getpid()
-        if sys.version_info >= (3, 11):
-            child = subprocess.Popen(list(cmd), env=env, process_group=0, preexec_fn=partial(
-                die_with_parent, parent, exit_code=128 + signal.SIGKILL))
-        else:
-            child = subprocess.Popen(list(cmd), env=env,
-                                     preexec_fn=partial(_setpgid_then_die_with_parent, parent))
-    except FileNotFoundError as exc:
-        reaper.close()
-        raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
-                         ) from exc
-    except PermissionError as exc:
-        reaper.close()
-        raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
-    pgid = child.pid
-    reaper.add(pgid)
-    try:
-        with _foreground(pgid), _forwarding(pgid):
-            while True:
-                try:
-                    returncode = child.wait(timeout=VERIFY_S if tick else None)
-                    break
-                except subprocess.TimeoutExpired:
-                    if tick is not None:
-                        tick()
-                except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
-                    continue
-        _reap_group(pgid)
+        with forwarder:
+            child = _start(cmd, env, reaper.announce_fd)
+            pgid = child.pid
+            reaper.add(pgid)
+            forwarder.target(pgid)
+            with _foreground(pgid):
+                returncode = _wait_unreaped(child, tick)
+                # The command's exit is read without reaping it: its zombie keeps the pid,
+                # so its group's number cannot go to another process while we signal it.
+                _reap_group(pgid)
+        reaper.remove(pgid)  # before the reap: after it, the number may be reused
+        child.wait()
     finally:
         reaper.close()
     return shell_exit_code(returncode)
 
 
-def _setpgid_then_die_with_parent(parent: int) -> None:
-    # Python 3.10 has no Popen(process_group=...): the same two system calls, by hand.
-    os.setpgid(0, 0)
+def _start(cmd: Sequence[str], env: dict[str, str], reaper_fd: int) -> subprocess.Popen[bytes]:
+    # Its own process group, and death with gpuwarden: the lease ends with gpuwarden, so must
+    # the command's use of the GPUs; the watcher learns of the group from the child itself,
+    # before the command runs. (Other threads may exist at the fork: the preexec_fn makes
+    # system calls only, see procs.die_with_parent.)
+    parent = os.getpid()
+    try:
+        if sys.version_info >= (3, 11):
+            return subprocess.Popen(list(cmd), env=env, process_group=0, preexec_fn=partial(
+                _in_child, parent, reaper_fd))
+        return subprocess.Popen(list(cmd), env=env,
+                                preexec_fn=partial(_setpgid_then_die_with_parent, parent,
+                                                   reaper_fd))
+    except FileNotFoundError as exc:
+        raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
+                         ) from exc
+    except PermissionError as exc:
+        raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
+
+
+def _wait_unreaped(child: subprocess.Popen[bytes], tick: Callable[[], None] | None) -> int:
+    """``child``'s exit status once it exited, leaving it a zombie (``waitid(WNOWAIT)``);
+    ``tick`` every :data:`VERIFY_S` meanwhile. Woken by the child's pidfd, no polling."""
+    pidfd = -1
+    with contextlib.suppress(OSError, AttributeError):
+        pidfd = os.pidfd_open(child.pid)
+    try:
+        while True:
+            try:
+                info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None and info.si_pid:
+                    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                timeout = VERIFY_S if tick is not None else None
+                if pidfd >= 0:
+                    ready, _, _ = select.select([pidfd], [], [], timeout)
+                else:  # no pidfd (Linux < 5.3): look again every 20 ms
+                    time.sleep(0.02)
+                    ready = [True]
+                if not ready and tick is not None:
+                    tick()
+            except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
+                continue
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+class _Forwarder:
+    """SIGINT, SIGTERM, SIGHUP and SIGQUIT passed on to the command's group; those that come
+    before the group is known are passed on as soon as it is."""
+
+    def __init__(self) -> None:
+        self._pgid: int | None = None
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def _forward(self, signum: int, _frame: FrameType | None) -> None:
+        if self._pgid is None:
+            self._pending.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pgid, signum)
+
+    def target(self, pgid: int) -> None:
+        self._pgid = pgid
+        pending, self._pending = self._pending, []
+        for signum in pending:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signum)
+
+    def __enter__(self) -> _Forwarder:
+        for sig in FORWARDED:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread: no forwarding
+                self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _in_child(parent: int, reaper_fd: int) -> None:
+    announce_group(reaper_fd)
     die_with_parent(parent, exit_code=128 + signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def _forwarding(pgid: int) -> Iterator[None]:
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signum)
-
-    previous = {}
-    for sig in FORWARDED:
-        with contextlib.suppress(ValueError, OSError):  # not the main thread: no forwarding
-            previous[sig] = signal.signal(sig, forward)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _setpgid_then_die_with_parent(parent: int, reaper_fd: int) -> None:
+    # Python 3.10 has no Popen(process_group=...): the same system calls, by hand.
+    os.setpgid(0, 0)
+    _in_child(parent, reaper_fd)
 
 
 @contextlib.contextmanager
@@ -205,17 +266,17 @@ def _set_foreground(fd: int, pgid: int) -> None:
 
 def _reap_group(pgid: int) -> None:
     """Processes the command left in its group (daemons, background jobs) would keep
-    using GPUs the lease no longer covers: SIGTERM, then SIGKILL after a grace period."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
+    using GPUs the lease no longer covers: SIGTERM, then SIGKILL after a grace period.
+    Called while the command (the group's leader) is an unreaped zombie: the group is then
+    certainly its own."""
+    if not live_group_members(pgid):
         return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
+        if not live_group_members(pgid):
             return
-        time.sleep(0.02)
+        time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)

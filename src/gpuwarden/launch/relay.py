@@ -18,7 +18,9 @@ when tee'd or redirected.
 
 A console whose reader went away (``gpuwarden launch ... | head -1``) is silenced, not fatal:
 the ranks' pipes are still drained (a rank never blocks on a full pipe), the log files and the
-report's tail still get everything, and no ``BrokenPipeError`` traceback is printed.
+report's tail still get everything, and no ``BrokenPipeError`` traceback is printed. Likewise a
+log file that cannot be written (a full disk, a quota, an I/O error) is a one-line warning on
+gpuwarden's stderr and is no longer written; the job goes on, its console output too.
 
 Log files, as torchrun's ``DefaultLogsSpecs`` lays them out (``LOG_DIR`` is ``--log-dir``)::
 
@@ -36,9 +38,9 @@ import contextlib
 import errno
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import IO, TextIO
+from typing import IO, Protocol, TextIO
 
 from gpuwarden.errors import UsageError
 
@@ -183,12 +185,51 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
+class _Writable(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+
+
+class LogFile:
+    """A log file of ``--log-dir``: a write error (ENOSPC, EDQUOT, EIO) is a warning, said once
+    through ``warn``, and the file is not written again; it never stops the job."""
+
+    def __init__(self, path: str, warn: Callable[[str], None]) -> None:
+        self.path = path
+        self._warn = warn
+        self._file: IO[bytes] | None = None
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # Unbuffered: a `tail -f` of the file sees what the console sees, when it sees it.
+            self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        except OSError as exc:
+            self._failed(exc, "created")
+
+    def write(self, data: bytes) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            self._failed(exc, "written")
+
+    def _failed(self, exc: OSError, verb: str) -> None:
+        self.close()
+        self._warn(f"gpuwarden: warning: the log file {self.path} cannot be {verb} "
+                   f"({exc.strerror or exc}); it is not written further, the job goes on")
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
 class StreamRelay:
     """One stream of one rank: feed it what was read from the pipe, in any chunk sizes."""
 
-    def __init__(self, prefix: bytes, console: Console | None, file: IO[bytes] | None,
+    def __init__(self, prefix: bytes, console: Console | None, file: _Writable | None,
                  tail: collections.deque[str] | None = None,
-                 filters: Sequence[bytes] = (), filtered: IO[bytes] | None = None,
+                 filters: Sequence[bytes] = (), filtered: _Writable | None = None,
                  tty: Console | None = None) -> None:
         self.prefix = prefix
         self.console = console
@@ -404,11 +445,12 @@ class RankRelay:
     """Both streams of one rank, and the files they own."""
 
     def __init__(self, outputs: RankOutputs, stdout: Console, stderr: Console,
-                 filtered: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None),
+                 filtered: tuple[LogFile | None, LogFile | None] = (None, None),
                  filters: tuple[Sequence[bytes], Sequence[bytes]] = ((), ())) -> None:
         self.outputs = outputs
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self._files: list[IO[bytes]] = []
+        self._stderr = stderr
+        self._files: list[LogFile] = []
         # A stream shown on a terminal and written to no file: torchrun's rank would write to
         # the terminal itself, so this one gets a terminal too (RankStdio).
         self.tty_out = stdout if outputs.console_out and outputs.stdout_file is None \
@@ -427,12 +469,10 @@ class RankRelay:
         """The rank's stdout and stderr, as :class:`RankStdio` decides them."""
         return RankStdio(self.tty_out, self.tty_err, len(self.outputs.prefix))
 
-    def _open(self, path: str | None) -> IO[bytes] | None:
+    def _open(self, path: str | None) -> LogFile | None:
         if path is None:
             return None
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Unbuffered: a `tail -f` of the file sees what the console sees, when it sees it.
-        f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        f = LogFile(path, _warner(self._stderr))
         self._files.append(f)
         return f
 
@@ -446,8 +486,11 @@ class RankRelay:
         self.out.finish()
         self.err.finish()
         for f in self._files:
-            with contextlib.suppress(OSError):
-                f.close()
+            f.close()
+
+
+def _warner(console: Console) -> Callable[[str], None]:
+    return lambda line: console.write(line.encode() + b"\n")
 
 
 class JobRelay:
@@ -468,12 +511,12 @@ class JobRelay:
         self.attempt_dir = attempt_dir
         self.filters = (tuple(f.encode() for f in duplicate_stdout_filters if f),
                         tuple(f.encode() for f in duplicate_stderr_filters if f))
-        self._filtered: list[IO[bytes] | None] = [None, None]
+        self._filtered: list[LogFile | None] = [None, None]
         if attempt_dir is not None:
             for i, name in enumerate(("filtered_stdout.log", "filtered_stderr.log")):
                 if self.filters[i]:
-                    os.makedirs(attempt_dir, exist_ok=True)
-                    self._filtered[i] = open(os.path.join(attempt_dir, name), "wb", buffering=0)  # noqa: SIM115
+                    self._filtered[i] = LogFile(os.path.join(attempt_dir, name),
+                                                _warner(self.stderr))
         self.ranks: list[RankRelay] = []
 
     def open_rank(self, rank: int, local_rank: int) -> RankRelay:
@@ -490,5 +533,4 @@ class JobRelay:
             relay.close()
         for f in self._filtered:
             if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
+                f.close()

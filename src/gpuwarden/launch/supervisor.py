@@ -273,7 +273,7 @@ class Supervisor:
                 if not self._killed and (self._hurry or now - self._stop_began >= self.config.grace_s):
                     self._killed = True
                     for r in live:
-                        ProcessContext.signal_group(r.pgid, signal.SIGKILL)
+                        self._signal(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment).
         deadline = time.monotonic() + 0.3
@@ -290,7 +290,13 @@ class Supervisor:
         sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
-                ProcessContext.signal_group(r.pgid, sig)
+                self._signal(r, sig)
+
+    def _signal(self, r: _Rank, sig: signal.Signals) -> None:
+        """Signal a rank's group: only through the process context, which knows the group is
+        still the rank's (never a reaped rank's pgid, which may be another process's now)."""
+        if self._ctx is not None:
+            self._ctx.signal_rank(r.proc, sig)
 
     def _settle(self) -> None:
         """Before the first signal: let a rank that is already ending finish ending. A process's
@@ -401,7 +407,8 @@ class Supervisor:
         for r in self.ranks:
             if r.exit is not None:
                 continue
-            code = r.proc.poll()
+            assert self._ctx is not None
+            code = self._ctx.poll(r.proc)  # not reaped yet: its group stays its own
             if code is None:
                 continue
             now = time.monotonic()
@@ -423,7 +430,8 @@ class Supervisor:
 
     def _final_cleanup(self) -> None:
         # Anything left in a rank's group (its own children) goes now, with a bounded reap.
-        ProcessContext.kill_and_reap([r.proc for r in self.ranks])
+        if self._ctx is not None:
+            self._ctx.kill_and_reap([r.proc for r in self.ranks])
         if self._stop_began is not None:
             self._tell_other_nodes()
         if self._abort_helper is not None:
@@ -589,7 +597,7 @@ class Supervisor:
         def on_forward(signum: int, _frame: Any) -> None:
             for r in self.ranks:
                 if r.exit is None:
-                    ProcessContext.signal_group(r.pgid, signal.Signals(signum))
+                    self._signal(r, signal.Signals(signum))
 
         # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
         handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]

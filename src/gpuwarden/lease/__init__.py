@@ -7,7 +7,7 @@
     with lease(2, min_free="20GiB", wait="10m", label="train.py") as grant:
         subprocess.run(cmd, env={**os.environ, **grant.env})   # CUDA_VISIBLE_DEVICES="1,3"
 
-A claim is a kernel lock (flock) on a file in the lease directory
+A claim is a kernel record lock (fcntl) on a byte of a GPU's file in the lease directory
 (``GPUWARDEN_LEASE_DIR``; else ``/run/gpuwarden`` when ``gpuwarden leases init`` prepared
 it; else ``/tmp/gpuwarden-leases-<uid>``), held by the process that called
 :func:`acquire`; it ends when that process releases it or dies, however it dies.

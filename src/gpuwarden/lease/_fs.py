@@ -1,51 +1,48 @@
-"""The lease directory and the kernel locks in it: the only module that touches them.
-
-Every claim is an ``flock(2)`` lock on a file of the lease directory. The kernel
-holds such a lock for the open file description, so whatever way the holder dies
-(SIGKILL, OOM killer, segfault) the lock goes when its last descriptor closes, with
-no cleanup step. ``flock`` (rather than ``fcntl``/POSIX record locks) because:
-
-- it works on a read-only descriptor, so user B can lock a file user A (or root)
-  created without anyone needing write permission on another user's file;
-- two descriptors of one process conflict, so a process that holds a grant and asks
-  for another one cannot be granted its own slot twice (POSIX locks would merge, and
-  closing *any* descriptor of the file would silently drop them).
+"""The lease directory: where it is, whether it can be trusted, and what the kernel says about
+the processes named in it. The locks themselves are in ``_locks.py``, the records in
+``records.py``.
 
 The directory is shared with other users, so every name in it is hostile until checked
 (docs/leases.md, "Trust model"): files are opened ``O_NOFOLLOW | O_NONBLOCK`` and
 ``fstat``-ed before use (a symlink, a FIFO or a device is never followed, waited on or
-locked), the directory and its parents are checked for owner and mode before use, no
-directory is created through a link, and every wait for a lock has a deadline.
+locked), the directory and its parents are checked for owner and mode before use, and no
+directory is created through a link. A directory gpuwarden creates is private (0700) to
+the user who creates it, root included; a shared one is made by `gpuwarden leases init`.
 
-Lock files are never deleted by gpuwarden (deleting a file someone holds a lock on,
-then creating it anew, would let two processes "hold" the same path); record files
-(holder and ticket JSON) are deleted by their owner.
-
-Descriptors are opened with O_CLOEXEC, so children started with exec never inherit
-a claim; children made by a bare ``fork`` close theirs at once (see
-:func:`forget_in_child`), so a leaked child cannot keep a GPU leased.
+Every string taken from another process (a command line, a record) passes through
+:func:`gpuwarden.safetext.escape_untrusted` before it is shown.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
+import json
 import os
 import pwd
-import re
 import stat
+import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from gpuwarden.boundedio import kind_of
 from gpuwarden.errors import LeaseDirError
+from gpuwarden.lease._locks import (
+    LockOwner,
+    UnsafeFileError,
+    check_regular,
+    open_no_link,
+)
+from gpuwarden.lease._locks import _names as _same_inode
+from gpuwarden.safetext import escape_untrusted
+
+__all__ = ["UnsafeFileError"]
 
 LEASE_DIR_ENV = "GPUWARDEN_LEASE_DIR"
 # The host's shared directory, made by `gpuwarden leases init` (root-owned lock files): /run is
@@ -54,43 +51,26 @@ SHARED_LEASE_DIR = "/run/gpuwarden"
 DEFAULT_LEASE_DIR = SHARED_LEASE_DIR
 # Without a prepared shared directory: one per user (nobody else may create or delete in it).
 PRIVATE_LEASE_DIR = "/tmp/gpuwarden-leases-{uid}"
-SHARED_DIR_MODE = 0o1777  # what root gets when it creates a missing directory (sticky, shared)
+# When another user planted the name first: the next of these that is ours (or free) instead.
+PRIVATE_DIR_ALTERNATES = 8
 PRIVATE_DIR_MODE = 0o700
-FILE_MODE = 0o644  # readable by every user (flock needs only a read-only descriptor)
+RECORD_MODE = 0o644  # records are readable by every user of the directory (for `leases`)
 MUTEX_NAME = "mutex.lock"
 PREPARED_NAME = "prepared.json"  # written last by `gpuwarden leases init`, owned by root
-# Every open of an existing name: never follow a link, never block on a FIFO.
-OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-MUTEX_TIMEOUT_S = 2.0  # the mutex is held for ~0.3 ms per attempt: 2 s means a hostile holder
-
-
-class UnsafeFileError(OSError):
-    """A name in the lease directory that is not a file gpuwarden may lock or read: a
-    symbolic link, a FIFO, a device, a directory, or a file of the wrong owner."""
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(errno.EINVAL, problem, str(path))
-        self.path = path
-        self.problem = problem
-
-    def __str__(self) -> str:
-        return f"{self.path} {self.problem}"
-
-
-class MutexBusyError(Exception):
-    """The directory mutex could not be had within the deadline."""
-
-    def __init__(self, path: Path, holders: str, waited_s: float) -> None:
-        super().__init__(f"{path} held by {holders}")
-        self.path = path
-        self.holders = holders
-        self.waited_s = waited_s
+# The layout `leases init` writes: 2 = one lock file per GPU, a byte per slot (record locks).
+PREPARED_SCHEMA = 2
+MAX_PREPARED_BYTES = 1 << 20
+# Every open of an existing name we only read: never follow a link, never block on a FIFO.
+OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+# A request without --wait: how long it waits for the directory mutex, which an attempt holds
+# for under a millisecond (a longer hold is a stopped or hostile holder, named in the answer).
+MUTEX_TIMEOUT_S = 0.5
 
 
 @functools.lru_cache(maxsize=256)
 def user_name(uid: int) -> str:
     try:
-        return pwd.getpwuid(uid).pw_name
+        return escape_untrusted(pwd.getpwuid(uid).pw_name, 64)
     except KeyError:
         return f"uid {uid}"
 
@@ -102,8 +82,8 @@ def lease_dir_choice(env: dict[str, str] | None = None) -> tuple[Path, str | Non
     """The lease directory to use and, when it is the per-user fallback, a warning to show.
 
     GPUWARDEN_LEASE_DIR when set and not empty; else /run/gpuwarden when `gpuwarden leases
-    init` prepared it; else /tmp/gpuwarden-leases-<uid>, which arbitrates between this
-    user's jobs only.
+    init` prepared it; else this user's private directory (see :func:`private_dir`), which
+    arbitrates between this user's jobs only.
     """
     source = os.environ if env is None else env
     given = source.get(LEASE_DIR_ENV)
@@ -112,11 +92,54 @@ def lease_dir_choice(env: dict[str, str] | None = None) -> tuple[Path, str | Non
     shared = Path(SHARED_LEASE_DIR)
     if is_prepared(shared):
         return shared, None
-    private = Path(PRIVATE_LEASE_DIR.format(uid=os.geteuid()))
+    private = private_dir()
     return private, (
         f"{SHARED_LEASE_DIR} is not prepared, so leases go to {private}: they keep this user's "
         "jobs apart, not other users' (an admin runs `gpuwarden leases init` once to share "
         "the GPUs between users)")
+
+
+def private_dir(uid: int | None = None) -> Path:
+    """This user's own fallback directory: ``/tmp/gpuwarden-leases-<uid>``, or, when another
+    user planted that name first, the first of ``...-<uid>.1`` .. ``.7`` that is ours, else the
+    first that is free. Every process of the user makes the same choice: one of ours is
+    preferred to a free one, and another user can neither delete nor rename ours.
+
+    A directory of ours with another mode (an older gpuwarden made root's 1777) is made
+    private again here.
+    """
+    uid = os.geteuid() if uid is None else uid
+    base = PRIVATE_LEASE_DIR.format(uid=uid)
+    names = [Path(base)] + [Path(f"{base}.{n}") for n in range(1, PRIVATE_DIR_ALTERNATES)]
+    free = None
+    for path in names:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            free = free or path
+            continue
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            if stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE and uid == os.geteuid():
+                _make_private(path, st)
+            return path
+    return free or names[0]  # all planted: the checks of check_dir name the planter
+
+
+def _make_private(path: Path, seen: os.stat_result) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_uid) == (seen.st_dev, seen.st_ino, seen.st_uid):
+            os.fchmod(fd, PRIVATE_DIR_MODE)  # by descriptor: never another directory
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def lease_dir_path(env: dict[str, str] | None = None) -> Path:
@@ -124,39 +147,19 @@ def lease_dir_path(env: dict[str, str] | None = None) -> Path:
     return lease_dir_choice(env)[0]
 
 
-def slot_file_name(uuid: str, slots_per_gpu: int, slot: int) -> str:
-    """The lock file of one slot: ``slot.<uuid>.k<slots_per_gpu>.s<slot>.lock``."""
+def gpu_file_name(uuid: str) -> str:
+    """The lock file of one GPU (every slot of every split is a byte of it)."""
     # Old-style MIG ids contain '/'; nothing else in a uuid needs escaping.
-    return f"slot.{escape_uuid(uuid)}.k{slots_per_gpu}.s{slot}.lock"
-
-
-_SLOT_RE = re.compile(r"^slot\.(?P<uuid>.+)\.k(?P<k>\d{1,4})\.s(?P<s>\d{1,4})\.lock$")
-
-
-def parse_slot_name(name: str) -> tuple[str, int, int] | None:
-    """(escaped uuid, slots_per_gpu, slot) of a slot lock file name; None for other names.
-
-    The uuid is as :func:`slot_file_name` wrote it ('/' as '_'): compare with
-    :func:`escape_uuid` of a GPU's uuid."""
-    match = _SLOT_RE.match(name)
-    if match is None:
-        return None
-    return match["uuid"], int(match["k"]), int(match["s"])
+    return f"gpu.{escape_uuid(uuid)}.lock"
 
 
 def escape_uuid(uuid: str) -> str:
     return uuid.replace("/", "_")
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
 def printable(text: str, limit: int = 300) -> str:
-    """``text`` safe for a terminal: control characters (escape sequences, carriage returns,
-    bidi overrides) written as ``\\x1b``-style escapes, and at most ``limit`` characters."""
-    if len(text) > limit:
-        text = text[:limit - 1] + "…"
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    """``text`` safe for a terminal, at most ``limit`` characters (see safetext)."""
+    return escape_untrusted(text, limit)
 
 
 # -- the directory -------------------------------------------------------------------------------
@@ -259,6 +262,17 @@ def check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[P
     return real, prepared
 
 
+def is_private(real: Path) -> bool:
+    """Whether the checked directory ``real`` is this user's own, writable by nobody else (from
+    what :func:`check_dir` saw: no system call)."""
+    with _checked_lock:
+        entry = next((e for e in _checked.values() if e.real == real), None)
+    if entry is None:
+        return False
+    _dev, _ino, uid, mode = entry.identity
+    return uid == os.geteuid() and not mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_uid, st.st_mode
 
@@ -354,9 +368,10 @@ def _create_dir(path: Path, where: str, fix_env: str) -> Path | None:
     except OSError as exc:
         raise _path_error(where, fix_env, exc) from exc
     _check_parents(parent / path.name, where, fix_env)
-    # Root's directory is shared (sticky, like /tmp); a user's is private: nobody else may
-    # trust a directory a user owns (that user could delete its lock files).
-    mode = SHARED_DIR_MODE if os.geteuid() == 0 else PRIVATE_DIR_MODE
+    # Private, root's included: a directory other users share is made by `leases init`, which
+    # knows it is making one (a world-writable directory root made on the side was one any
+    # user could plant names in).
+    mode = PRIVATE_DIR_MODE
     target = parent / path.name
     try:
         os.mkdir(target, 0o700)
@@ -383,6 +398,16 @@ def _path_error(where: str, fix_env: str, exc: OSError, *, creating: bool = Fals
                              fix=f"{fix_env} (e.g. under /run or /tmp)")
     verb = "created" if creating else "read"
     return LeaseDirError(f"{where} cannot be {verb}", why=exc.strerror or str(exc), fix=fix_env)
+
+
+@dataclass(frozen=True)
+class PreparedConfig:
+    """What `gpuwarden leases init` wrote in ``prepared.json`` (root's file: trusted)."""
+
+    schema: int
+    max_slots_per_gpu: int
+    gpus: tuple[str, ...]
+    group: str | None
 
 
 def is_prepared(path: Path) -> bool:
@@ -412,6 +437,43 @@ def _has_marker(dfd: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == 0
 
 
+def prepared_config(directory: Path) -> PreparedConfig | None:
+    """The configuration of a prepared ``directory`` (None: not prepared, or unreadable).
+
+    Read from root's marker only: the K a request may use and the GPUs that have lock files
+    come from here, never from the names of files in the directory."""
+    with _checked_lock:
+        cached = _configs.get(str(directory))
+    if cached is not None and time.monotonic() - cached[0] < RECHECK_S:
+        return cached[1]
+    config = None
+    try:
+        fd = os.open(Path(directory) / PREPARED_NAME, OPEN_FLAGS)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == 0:
+                data = json.loads(os.pread(fd, MAX_PREPARED_BYTES, 0))
+                gpus = data.get("gpus", [])
+                config = PreparedConfig(
+                    schema=int(data.get("schema", 1)),
+                    max_slots_per_gpu=int(data.get("max_slots_per_gpu", 8)),
+                    gpus=tuple(str(g) for g in gpus) if isinstance(gpus, list) else (),
+                    group=data.get("group") if isinstance(data.get("group"), str) else None)
+        except (OSError, ValueError, TypeError, AttributeError):
+            config = None
+        finally:
+            os.close(fd)
+    with _checked_lock:
+        _configs[str(directory)] = (time.monotonic(), config)
+    return config
+
+
+_configs: dict[str, tuple[float, PreparedConfig | None]] = {}
+
+
 def hold_dir(directory: Path) -> int:
     """A descriptor of the checked ``directory`` with a shared flock on it, or -1; not to be
     closed by the caller. Lease holders hold it because systemd-tmpfiles skips a directory
@@ -422,7 +484,9 @@ def hold_dir(directory: Path) -> int:
         if entry is None:
             return -1
         if not entry.held:
-            try_lock(entry.fd, shared=True)  # never waits: an exclusive holder gains nothing
+            with contextlib.suppress(OSError):
+                # Never waits: an exclusive holder gains nothing.
+                fcntl.flock(entry.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             entry.held = True
         return entry.fd
 
@@ -431,203 +495,82 @@ def same_dir(fd: int, directory: Path) -> bool:
     return fd < 0 or same_file(fd, directory)
 
 
-# -- files in it ---------------------------------------------------------------------------------
+def same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (it was not deleted or replaced)."""
+    return _same_inode(fd, path)
+
 
 def open_regular(path: Path, *, owner: int | None = None) -> int:
     """A read-only descriptor of the existing regular file ``path``; never follows a link and
     never blocks (on a FIFO). Raises FileNotFoundError, or UnsafeFileError for anything that
     is not a regular file (owned by ``owner``, when given)."""
-    try:
-        fd = os.open(path, OPEN_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(path, "is a symbolic link, not a regular file") from None
-        raise
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode) or (owner is not None and st.st_uid != owner):
-        os.close(fd)
-        if stat.S_ISREG(st.st_mode):
-            problem = (f"is owned by {_user(st.st_uid)}, not by {_user(owner or 0)} who prepared "
-                       "the directory")
-        else:
-            problem = f"is {kind_of(st.st_mode)} owned by {_user(st.st_uid)}, not a regular file"
-        raise UnsafeFileError(path, problem)
+    fd = open_no_link(path, OPEN_FLAGS)
+    check_regular(fd, path, owner)
     return fd
 
 
-def open_lock_file(path: Path, *, create: bool = True, owner: int | None = None) -> int:
-    """A read-only O_CLOEXEC descriptor of the lock file ``path``, created when missing
-    (with ``create``). UnsafeFileError when the name is a link, a FIFO, or another non-file.
+# -- the birth time of a file: the kernel's arrival order -------------------------------------
 
-    An existing file is opened without O_CREAT: with fs.protected_regular (systemd's
-    default) an O_CREAT open of another user's file in a sticky directory fails with
-    EACCES even though the file is readable.
-    """
-    for _ in range(100):
-        try:
-            return open_regular(path, owner=owner)
-        except FileNotFoundError:
-            if not create:
-                raise
-        try:
-            fd = os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, FILE_MODE)
-        except FileExistsError:
-            continue  # someone created it between our two opens: open theirs
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, FILE_MODE)  # the umask may have removed read bits others need
-        return fd
-    raise OSError(errno.EAGAIN, f"cannot open or create {path}")
+_STATX_BTIME = 0x800
+_AT_EMPTY_PATH = 0x1000
+_STATX_BUF = 256  # struct statx is 256 bytes
+_STATX_MASK_AT = 0
+_STATX_BTIME_AT = 80  # stx_btime: struct statx_timestamp {__s64 tv_sec; __u32 tv_nsec; ...}
 
 
-def try_lock(fd: int, *, shared: bool = False) -> bool:
-    """Take the flock on ``fd`` without waiting; False when someone else holds it."""
+def _resolve_statx() -> object | None:
     try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def lock_within(fd: int, timeout_s: float) -> bool:
-    """Take the exclusive flock on ``fd`` within ``timeout_s``; False when it stayed held.
-
-    Polls (from 50 us up to 2 ms apart) rather than blocking: a blocked flock(2) cannot be
-    given a deadline, and a process that holds it forever must not hang everyone."""
-    if try_lock(fd):
-        return True
-    deadline = time.monotonic() + timeout_s
-    pause = 0.00005
-    while time.monotonic() < deadline:
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        if try_lock(fd):
-            return True
-        pause = min(pause * 2, 0.002)
-    return False
-
-
-def unlock_close(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def same_file(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the file open as ``fd`` (it was not deleted or replaced)."""
-    try:
-        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-@contextlib.contextmanager
-def dir_mutex(directory: Path, timeout_s: float = MUTEX_TIMEOUT_S, *,
-              owner: int | None = None, create: bool = True) -> Iterator[None]:
-    """The lease directory's mutex: held for the fraction of a millisecond of one attempt.
-
-    Every decision that reads lock state and then takes locks runs under it, which
-    makes "pick the GPUs and claim them" one atomic step across processes. A holder
-    that dies inside it releases it like any other flock. Raises MutexBusyError, naming
-    who holds it, when it cannot be had within ``timeout_s``.
-    """
-    path = directory / MUTEX_NAME
-    deadline = time.monotonic() + timeout_s
-    for _ in range(3):
-        fd = open_lock_file(path, owner=owner, create=create)
-        if not lock_within(fd, max(0.0, deadline - time.monotonic())):
-            holders = describe_holders(fd)
-            unlock_close(fd)
-            raise MutexBusyError(path, holders, timeout_s)
-        if same_file(fd, path):
-            break
-        unlock_close(fd)  # deleted and replaced (an unprepared directory): lock the new one
-    try:
-        yield
-    finally:
-        unlock_close(fd)
-
-
-def probe_record_alive(path: Path) -> bool | None:
-    """Whether the process that wrote the record ``path`` still holds its flock.
-
-    True: its owner holds it (alive). False: nobody does (the owner died or released), or
-    the name is not a regular file. None: the file is gone. The probe takes a shared lock
-    for microseconds; owners hold an exclusive one, so a probe never disturbs a live owner.
-    """
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
+        fn = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):
         return None
-    except OSError:
-        return False
-    try:
-        got = try_lock(fd, shared=True)
-    finally:
-        unlock_close(fd)
-    return not got
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
-# -- who holds a lock: the kernel's table ---------------------------------------------------------
-
-def flock_table() -> dict[int, set[int]] | None:
-    """inode number -> pids holding an exclusive flock on it, from /proc/locks; None when it
-    cannot be read (no procfs).
-
-    The kernel writes the pid of the process that took each lock, translated to our PID
-    namespace. Inode numbers only, not devices: overlayfs reports other device numbers to
-    stat(2) than /proc/locks shows; a match must also agree on the pid, so a stray inode
-    collision cannot make a forged record pass.
-    """
-    data = _read_proc("/proc/locks")
-    if data is None:
-        return None
-    table: dict[int, set[int]] = {}
-    for line in data.splitlines():
-        parts = line.split()
-        # "12: FLOCK  ADVISORY  WRITE 4242 00:1f:123456 0 EOF"; "12: -> FLOCK ..." is a waiter.
-        if len(parts) < 6 or parts[1] != b"FLOCK" or parts[3] != b"WRITE":
-            continue
-        try:
-            table.setdefault(int(parts[5].rsplit(b":", 1)[1]), set()).add(int(parts[4]))
-        except (ValueError, IndexError):
-            continue
-    return table
+_statx = _resolve_statx()
+_statx_local = threading.local()
 
 
-def _read_proc(path: str, limit: int = 1 << 24) -> bytes | None:
-    """A /proc file (size 0 to stat) in 64 KiB reads: reading it whole at once makes Python
-    allocate a large buffer per call, which costs more than the kernel's work."""
+def birth_ns(fd: int, st: os.stat_result) -> int:
+    """When the file open as ``fd`` was created, in ns: the kernel's birth time where the
+    filesystem keeps one (statx), else its ctime. Nobody can set either to a chosen value,
+    and the birth time does not move later (a hard link, a chmod or a write moves ctime)."""
+    if _statx is not None:
+        buf = getattr(_statx_local, "buf", None)
+        if buf is None:
+            buf = _statx_local.buf = ctypes.create_string_buffer(_STATX_BUF)
+        if _statx(fd, b"", _AT_EMPTY_PATH, _STATX_BTIME, buf) == 0:  # type: ignore[operator]
+            mask = struct.unpack_from("I", buf, _STATX_MASK_AT)[0]
+            if mask & _STATX_BTIME:
+                sec, nsec = struct.unpack_from("qI", buf, _STATX_BTIME_AT)
+                return sec * 1_000_000_000 + nsec
+    return st.st_ctime_ns
+
+
+# -- what the kernel says about a process -----------------------------------------------------
+
+def _read_proc(path: str, limit: int) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    chunks: list[bytes] = []
-    size = 0
     try:
-        while size < limit:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        return os.read(fd, limit)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return b"".join(chunks)
 
 
 def process_state(pid: int) -> str | None:
     """The state letter of ``pid`` from /proc (``T``/``t``: stopped), None when unknown."""
-    data = _read_proc(f"/proc/{pid}/stat", limit=1)
+    if pid <= 0:
+        return None
+    data = _read_proc(f"/proc/{pid}/stat", 4096)
     try:
         return None if data is None else data[data.rindex(b")") + 2:][:1].decode()
-    except ValueError:
+    except (ValueError, UnicodeDecodeError):
         return None
 
 
@@ -648,9 +591,21 @@ def is_stopped(pid: int, max_age_s: float = 0.0) -> bool:
     return stopped
 
 
+def process_uid(pid: int) -> int | None:
+    """The real uid of ``pid`` (its /proc status), None when unknown."""
+    data = _read_proc(f"/proc/{pid}/status", 8192)
+    if data is None:
+        return None
+    for line in data.splitlines():
+        if line.startswith(b"Uid:"):
+            with contextlib.suppress(ValueError, IndexError):
+                return int(line.split()[1])
+    return None
+
+
 @dataclass(frozen=True)
 class ProcessFacts:
-    """What the kernel says about a process (never what a record claims)."""
+    """What the kernel says about a process (never what a record claims); escaped."""
 
     pid: int
     user: str
@@ -664,29 +619,30 @@ class ProcessFacts:
 
 
 def process_facts(pid: int) -> ProcessFacts:
-    user = command = ""
-    with contextlib.suppress(OSError):
-        user = _user(os.stat(f"/proc/{pid}").st_uid)
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read(4096).split(b"\0")
-        command = printable(" ".join(a.decode(errors="replace") for a in argv if a), 80)
+    uid = process_uid(pid)
+    user = user_name(uid) if uid is not None else ""
+    command = ""
+    data = _read_proc(f"/proc/{pid}/cmdline", 4096)
+    if data:
+        argv = [a.decode(errors="replace") for a in data.split(b"\0") if a]
+        command = escape_untrusted(" ".join(argv), 80)
     return ProcessFacts(pid, user, command, is_stopped(pid))
 
 
-def describe_holders(fd: int) -> str:
-    """'pid 4242 (mallory, sleep 1000, stopped)' for whoever holds the flock on ``fd``."""
-    table = flock_table()
-    try:
-        ino = os.fstat(fd).st_ino
-    except OSError:
-        ino = -1
-    pids = sorted((table or {}).get(ino, ()))
-    if not pids:
-        return "a process /proc/locks does not show (another PID namespace?)" if table is not None \
-            else "an unknown process (/proc/locks cannot be read)"
-    return "; ".join(process_facts(pid).describe() for pid in pids)
+def describe_owner(owner: LockOwner | None) -> str:
+    """'pid 4242 (mallory, sleep 1000, stopped), a read lock' for the holder F_GETLK named."""
+    if owner is None:
+        return "nobody (it was just released)"
+    kind = "" if owner.write else ", a read lock"
+    if owner.pid > 0:
+        return process_facts(owner.pid).describe() + kind
+    if owner.pid == 0:
+        return "a process in another PID namespace (the kernel gives no pid here)" + kind
+    return ("an open file description lock (F_OFD_SETLK), which the kernel attributes to no "
+            "process" + kind)
 
+
+# -- claims of this process across fork ---------------------------------------------------------
 
 class _Closable(Protocol):
     def _close_in_child(self) -> None: ...
@@ -707,15 +663,15 @@ def untrack(holder: _Closable) -> None:
 
 
 def forget_in_child() -> None:
-    """After a bare fork: close the child's copies of every claim's descriptors.
-
-    Closing (never unlocking: LOCK_UN would release the parent's lock too) drops the
-    child's reference, so the claim lives exactly as long as the process that took it.
+    """After a bare fork: the child holds none of the parent's record locks (POSIX locks are
+    not inherited); close its copies of the records' descriptors so that nothing in the child
+    believes it holds a lease. The claim lives exactly as long as the process that took it.
     """
-    global _checked_lock
+    global _checked_lock, _live_lock
     for holder in list(_live):
         holder._close_in_child()
     _live.clear()
+    _live_lock = threading.Lock()
     _checked_lock = threading.Lock()  # another thread may have held it at the fork
 
 

@@ -1,16 +1,23 @@
 """``gpuwarden leases init``: prepare a lease directory that no user can break.
 
 Run once by an admin (root). The directory and every lock file in it (the mutex, and one
-file per slot of every GPU for 1..K slots per GPU) belong to root, in a sticky directory:
-users open the lock files read-only to flock them, create only their own record files,
-and can delete or replace neither the lock files nor each other's records. Without this,
-a user who created a lock file first could delete it while another user holds its lock
-(see docs/leases.md, "Trust model").
+file per GPU whose bytes are its slots) belong to root, in a sticky directory: users open
+the lock files to lock byte ranges, create only their own record files, and can delete or
+replace neither the lock files nor each other's records. Without this, a user who created a
+lock file first could delete it while another user holds its lock (see docs/leases.md,
+"Trust model").
+
+Root writes only what it created: a managed name that already exists is used only when it
+is a regular file of root's with one link and a mode init itself gives (a hard link to a
+file elsewhere, or an unexpected mode, is left alone and reported); a user's file, FIFO or
+link in its place is unlinked (never followed) and made afresh, unless a process holds a
+lock on it right now.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import grp
 import json
 import os
@@ -23,7 +30,7 @@ from pathlib import Path
 
 from gpuwarden.boundedio import kind_of
 from gpuwarden.errors import LeaseDirError, UsageError
-from gpuwarden.lease import _fs
+from gpuwarden.lease import _fs, _locks
 
 DEFAULT_MAX_SLOTS = 8
 
@@ -39,11 +46,12 @@ class InitReport:
     kept: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)  # a user's file (or a FIFO, a link) before
     held: list[str] = field(default_factory=list)  # a user's file under a live lock: left
+    refused: list[str] = field(default_factory=list)  # root's, but not as init makes it: left
 
     def to_dict(self) -> dict[str, object]:
         return {"lease_dir": str(self.directory), "mode": f"{self.mode:04o}", "group": self.group,
                 "created": len(self.created), "kept": len(self.kept), "replaced": self.replaced,
-                "held": self.held}
+                "held": self.held, "refused": self.refused}
 
 
 def init_shared_dir(path: Path, uuids: Sequence[str], *, group: str | None = None,
@@ -51,7 +59,8 @@ def init_shared_dir(path: Path, uuids: Sequence[str], *, group: str | None = Non
     """Create (or repair) the shared lease directory ``path`` for the GPUs ``uuids``.
 
     Idempotent: run it again after adding GPUs or to allow more slots per GPU. A lock file
-    some process holds right now is left as it is and reported (run again when it is free).
+    some process holds right now is left as it is and reported (run again when it is free),
+    and so is a root-owned name init would not have made (another link count or mode).
 
     Raises LeaseDirError when not run as root, when ``path`` is a link or belongs to another
     user (gpuwarden never chmods a directory that is not root's), or its parents are unsafe;
@@ -77,19 +86,20 @@ def init_shared_dir(path: Path, uuids: Sequence[str], *, group: str | None = Non
                              fix="create it (groupadd) or name an existing one") from None
     # With a group: only its members may enter, create records or lock; else every user.
     dir_mode = 0o1770 if group else 0o1777
-    file_mode = 0o640 if group else 0o644
+    # Lock files are writable (a record lock for writing needs it); records stay 0644.
+    file_mode = 0o660 if group else 0o666
+    marker_mode = 0o640 if group else 0o644
     dfd = _open_or_make(path, where)
     try:
         os.fchown(dfd, 0, gid)
         os.fchmod(dfd, dir_mode)
         report = InitReport(path, dir_mode, group or "root")
-        names = [_fs.MUTEX_NAME] + [_fs.slot_file_name(u, k, s) for u in uuids
-                                    for k in range(1, max_slots + 1) for s in range(k)]
-        for name in names:
+        names = [_fs.MUTEX_NAME] + [_fs.gpu_file_name(u) for u in uuids]
+        for name in dict.fromkeys(names):
             getattr(report, _ensure_root_file(dfd, name, gid, file_mode)).append(name)
-        marker = {"schema": 1, "created_at": time.time(), "group": group,
+        marker = {"schema": _fs.PREPARED_SCHEMA, "created_at": time.time(), "group": group,
                   "max_slots_per_gpu": max_slots, "gpus": list(uuids)}
-        _write_root_file(dfd, _fs.PREPARED_NAME, json.dumps(marker).encode(), gid, file_mode)
+        _write_root_file(dfd, _fs.PREPARED_NAME, json.dumps(marker).encode(), gid, marker_mode)
     finally:
         os.close(dfd)
     return report
@@ -131,32 +141,44 @@ def _open_or_make(path: Path, where: str) -> int:
     return fd
 
 
+# Modes init gives its lock files now (0666/0660) and gave them before record locks (0644/0640).
+_MODES_OF_INIT = (0o666, 0o660, 0o644, 0o640)
+
+
 def _ensure_root_file(dfd: int, name: str, gid: int, mode: int) -> str:
-    """Make ``name`` a root-owned regular file; which InitReport list it goes to."""
+    """Make ``name`` a root-owned regular lock file; which InitReport list it goes to.
+
+    An existing root-owned file is changed (owner, mode) only when it is one init made: a
+    regular file with a single link and one of init's modes. Anything else of root's there
+    (a hard link to a file elsewhere, which fs.protected_hardlinks=0 lets any user make;
+    a file with another mode) is left untouched and reported."""
     outcome = "created"
     try:
         fd = os.open(name, _fs.OPEN_FLAGS, dir_fd=dfd)
     except FileNotFoundError:
         fd = -1
     except OSError as exc:
-        if exc.errno != errno.ELOOP:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO):
             raise
-        os.unlink(name, dir_fd=dfd)  # a symbolic link: unlink never follows it
+        os.unlink(name, dir_fd=dfd)  # a symbolic link or a socket: unlink never follows it
         fd, outcome = -1, "replaced"
     if fd >= 0:
         try:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == 0:
+            if st.st_uid == 0:
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 \
+                        or stat.S_IMODE(st.st_mode) not in _MODES_OF_INIT:
+                    return "refused"
                 os.fchown(fd, 0, gid)
                 os.fchmod(fd, mode)
                 return "kept"
-            if stat.S_ISREG(st.st_mode) and not _fs.try_lock(fd):
+            if stat.S_ISREG(st.st_mode) and _is_locked(fd):
                 return "held"  # a user's lock file under a live lease: replace it later
-            # Still holding its lock (or it is a FIFO, a socket...): nobody can take it now.
+            # A user's file, FIFO, socket...: unlinked (its content is never touched).
             os.unlink(name, dir_fd=dfd)
             outcome = "replaced"
         finally:
-            _fs.unlock_close(fd)
+            os.close(fd)
     fd = os.open(name, _fs.OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode, dir_fd=dfd)
     try:
         os.fchown(fd, 0, gid)
@@ -164,6 +186,19 @@ def _ensure_root_file(dfd: int, name: str, gid: int, mode: int) -> str:
     finally:
         os.close(fd)
     return outcome
+
+
+def _is_locked(fd: int) -> bool:
+    """Whether some process holds a lock on the file: a record lock (this gpuwarden's), or a
+    flock (an older gpuwarden's lease)."""
+    if _locks.test_lock(fd, 0, 0) is not None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def _write_root_file(dfd: int, name: str, data: bytes, gid: int, mode: int) -> None:

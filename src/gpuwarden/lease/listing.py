@@ -1,16 +1,23 @@
-"""What `gpuwarden leases` shows: holders, waiting requests, and the truth of the slot locks."""
+"""What `gpuwarden leases` shows: holders, waiting requests, and the truth of the locks."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.lease import _fs
+from gpuwarden.lease import _fs, _locks
 from gpuwarden.lease.records import Corrupt, Record, iter_holders, scan
 
-LIST_MUTEX_TIMEOUT_S = 0.5
+
+@dataclass(frozen=True)
+class Unrecorded:
+    """A slot lock held by a process that has no (readable) holder record."""
+
+    uuid: str
+    slots_per_gpu: int
+    slot: int
+    holder: str  # what the kernel says of the lock's holder (pid, user, command)
 
 
 @dataclass(frozen=True)
@@ -22,22 +29,25 @@ class LeaseTable:
     holders: tuple[Record, ...]
     tickets: tuple[Record, ...]  # in arrival order
     corrupt: tuple[Corrupt, ...]
-    # Slot locks held by a process that has no (readable) holder record: (uuid, k, slot).
-    unrecorded: tuple[tuple[str, int, int], ...]
+    unrecorded: tuple[Unrecorded, ...]
     prepared: bool = False  # made by `gpuwarden leases init` (root-owned lock files)
-    # Set when the directory mutex stayed held: who holds it (the listing is then a snapshot).
+    # Set when the directory mutex is held right now: who holds it, as the kernel says.
     mutex_holders: str = ""
+    complete: bool = True  # False: the scan's bounds left part of the directory unread
+    left_out: tuple[tuple[str, int], ...] = ()  # (user, records not read) per user over a cap
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "lease_dir": str(self.directory),
             "prepared": self.prepared,
             "mutex_held_by": self.mutex_holders or None,
+            "complete": self.complete,
             "holders": [{**r.to_dict(), "stopped": r.stopped} for r in self.holders],
             "waiting": [{**r.to_dict(), "stopped": r.stopped} for r in self.tickets],
             "corrupt_records": [{"path": str(c.path), "problem": c.problem} for c in self.corrupt],
-            "unrecorded_slots": [{"uuid": u, "slots_per_gpu": k, "slot": s}
-                                 for u, k, s in self.unrecorded],
+            "unrecorded_slots": [{"uuid": u.uuid, "slots_per_gpu": u.slots_per_gpu,
+                                  "slot": u.slot, "held_by": u.holder} for u in self.unrecorded],
+            "records_left_out": [{"user": user, "count": n} for user, n in self.left_out],
         }
 
 
@@ -45,48 +55,42 @@ def list_leases(directory: Path | None = None) -> LeaseTable:
     """Read a lease directory without changing anything in it; a missing one is empty.
 
     Read-only: it needs no write permission (a user may list a directory it cannot lease
-    in) and deletes no stale record. The slot locks are probed under the directory mutex
-    when it can be had (so no request is disturbed), which finds claims whose record is
-    missing or corrupt.
-    """
+    in), takes no lock and deletes no stale record. The kernel names the holder of every
+    lock it finds (the mutex, slots held without a record)."""
     directory = directory or _fs.lease_dir_path()
     try:
         # The same checks as a lease (links, loops, relative paths), none of the write ones.
         directory, prepared = _fs.check_dir(directory, create=False, write=False)
     except FileNotFoundError:
         return LeaseTable(directory, False, (), (), (), ())
+    config = _fs.prepared_config(directory) if prepared else None
+    view = scan(directory)
     mutex_holders = ""
-    with contextlib.ExitStack() as stack:
-        # Without the mutex when this user cannot create it (a directory it may only read),
-        # or when someone holds it too long: the listing is then a snapshot that may race a
-        # request, which is all it can be.
-        try:
-            stack.enter_context(_fs.dir_mutex(directory, LIST_MUTEX_TIMEOUT_S,
-                                              create=False))
-        except _fs.MutexBusyError as busy:
-            mutex_holders = busy.holders
-        except OSError:
-            pass
-        records, corrupt, names = scan(directory, cleanup=False)
-        recorded = {(_fs.escape_uuid(c.uuid), c.slots_per_gpu, s)
-                    for r in iter_holders(records) for c in r.claims for s in c.slots}
-        unrecorded = []
-        for name in sorted(names):
-            key = _fs.parse_slot_name(name)
-            if key is None or key in recorded:
+    with _locks.peek(directory / _fs.MUTEX_NAME) as fd:
+        owner = _locks.test_lock(fd, _locks.MUTEX_BYTE, 1) if fd is not None else None
+        if owner is not None:
+            mutex_holders = _fs.describe_owner(owner)
+    holders = list(iter_holders(view.records))
+    names = [_fs.gpu_file_name(u) for u in config.gpus] if config is not None else \
+        sorted(view.gpu_files)
+    unrecorded = []
+    for name in names:
+        uuid = name[len("gpu."):-len(".lock")]
+        recorded = {(c.slots_per_gpu, s): h.pid for h in holders for c in h.claims
+                    if _fs.escape_uuid(c.uuid) == uuid for s in c.slots}
+        with _locks.peek(directory / name) as fd:
+            if fd is None:
                 continue
-            try:
-                fd = _fs.open_lock_file(directory / name, create=False)
-            except OSError:
-                continue  # unreadable for this user, or not a file: nothing to say about it
-            try:
-                if not _fs.try_lock(fd):
-                    unrecorded.append(key)
-            finally:
-                _fs.unlock_close(fd)
-    records = [replace(r, stopped=_fs.is_stopped(r.pid)) for r in records]
-    holders = tuple(sorted(iter_holders(records), key=lambda r: (r.started_at, r.record_id)))
-    tickets = tuple(sorted((r for r in records if r.kind == "ticket"),
-                           key=lambda r: (r.arrival_ns, r.record_id)))
-    return LeaseTable(directory, True, holders, tickets, tuple(corrupt), tuple(unrecorded),
-                      prepared, mutex_holders)
+            for owner in _locks.held_ranges(fd):
+                for byte in range(owner.start, owner.start + (owner.length or 1)):
+                    k, slot = _locks.slot_of_offset(byte)
+                    if recorded.get((k, slot)) != owner.pid or owner.pid < 0:
+                        unrecorded.append(Unrecorded(uuid, k, slot, _fs.describe_owner(owner)))
+                    if len(unrecorded) >= 256:
+                        break
+    records = [replace(r, stopped=_fs.is_stopped(r.pid)) for r in view.records]
+    holders_sorted = tuple(sorted(iter_holders(records), key=lambda r: (r.born_ns, r.record_id)))
+    tickets = tuple(sorted((r for r in records if r.kind == "ticket"), key=Record.order))
+    left_out = tuple((_fs.user_name(uid), n) for uid, n in sorted(view.left_out.items()))
+    return LeaseTable(directory, True, holders_sorted, tickets, tuple(view.corrupt),
+                      tuple(unrecorded), prepared, mutex_holders, view.complete, left_out)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from gpuwarden.safetext import escape_untrusted
 from gpuwarden.units import format_bytes, format_duration
 
 
@@ -33,7 +34,8 @@ class GpuState:
     def line(self) -> str:
         # Lease and queue reasons already say what they are ("leased by ...", "held back ...").
         prefix = "refused: " if self.kind == "refused" else ""
-        return f"{self.label}: {prefix}{self.reason}"
+        # Reasons quote other users' labels and other processes' command lines.
+        return escape_untrusted(f"{self.label}: {prefix}{self.reason}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "uuid": self.uuid, "free": self.free, "kind": self.kind,
@@ -59,11 +61,13 @@ class WaitStatus:
             for g in self.gpus)
 
     def blockers(self) -> str:
+        """What blocks the request, one line; every quoted string escaped (other users'
+        labels, other processes' command lines)."""
         if self.directory_blocker:
-            return self.directory_blocker
+            return escape_untrusted(self.directory_blocker)
         blocked = [g for g in self.gpus if not g.free]
-        return "; ".join(f"{g.label.replace(' ', '')} {g.reason}" for g in blocked) or \
-            "not enough GPUs are visible"
+        return escape_untrusted("; ".join(f"{g.label.replace(' ', '')} {g.reason}"
+                                          for g in blocked) or "not enough GPUs are visible")
 
     def headline(self) -> str:
         """'waiting for 2 GPUs with >= 20.0 GiB free (1 of 4 free now): GPU0 leased by pid 812
@@ -132,7 +136,7 @@ class StatusPrinter:
         from rich.live import Live
         from rich.text import Text
 
-        head = Text(f"gpuwarden: {status.line()}")
+        head = Text(f"gpuwarden: {status.line()}")  # Text: never read as markup
         rows = [Text(f"  {g.line()}", style="green" if g.free else "yellow") for g in status.gpus]
         body = Group(head, *rows)
         if self._live_display is None:
