@@ -47,6 +47,9 @@ PIPELINE_BELOW_S = 0.005
 PIPELINE_MAX_BYTES = 32 * 1024
 # Workers told to stop get this long to exit before they are killed.
 STOP_GRACE_S = 3.0
+# A task may wait this long for a worker starting on a less loaded GPU rather than go to a
+# ready one on a busier GPU (spreading tasks over GPUs beats starting a second sooner).
+HOLD_FOR_STARTING_S = 3.0
 
 
 class TaskState(enum.Enum):
@@ -97,6 +100,7 @@ class Worker:
     state: WorkerState = WorkerState.STARTING
     pid: int | None = None
     inflight: collections.deque[Task] = field(default_factory=collections.deque)
+    started_at: float = 0.0
     kill_requested: bool = False
     on_purpose: bool = False  # stopped or killed by the pool (shutdown, resize), not lost
     replaced_by: int | None = None
@@ -186,6 +190,7 @@ class Core:
         self.deadline: float | None = None
         self.stop_deadline: float | None = None
         self.stop_stage = 0
+        self.hold_deadline: float | None = None
         self.task_s: float | None = None  # recent task time (EWMA), for pipelining
         self.actions: list[Action] = []
         self.log: list[str] = []  # warnings for the manager to log (outside any lock)
@@ -199,7 +204,7 @@ class Core:
             self._start_worker(slot)
 
     def _start_worker(self, slot: WorkerSlot) -> Worker:
-        worker = Worker(next(self._keys), slot)
+        worker = Worker(next(self._keys), slot, started_at=self.clock())
         self.workers[worker.key] = worker
         previous = self.by_slot.get(slot.index)
         if previous is not None:
@@ -271,7 +276,7 @@ class Core:
             return
         self.start_failures[worker.slot.index] = 0
         self.server_failures = 0
-        worker.state = WorkerState.BUSY if worker.inflight else WorkerState.READY
+        worker.state = WorkerState.READY
         if self.phase is not Phase.RUNNING and self.phase is not Phase.DRAINING:
             self._stop(worker)
         self.dispatch()
@@ -416,30 +421,37 @@ class Core:
     def _capacity(self, worker: Worker, task: Task) -> bool:
         if worker.state is WorkerState.READY:
             return True
-        if worker.state is WorkerState.STARTING:
-            # One task may wait for a worker still starting (it goes out without blocking
-            # anything, and is requeued, not failed, if the worker dies before starting it).
-            return not worker.inflight
         return (worker.state is WorkerState.BUSY and len(worker.inflight) == 1
                 and self.task_s is not None and self.task_s < PIPELINE_BELOW_S
                 and len(task.payload) <= PIPELINE_MAX_BYTES)
 
     def dispatch(self) -> None:
+        """Send queued tasks to workers that can take them: an idle worker first, on the
+        least loaded GPU, so that tasks spread over the GPUs. A task is held (at most
+        HOLD_FOR_STARTING_S after that worker began starting) when an idle worker is
+        about to be ready on a GPU less loaded than any ready worker's; it is never sent to
+        a worker still starting, which may never be ready (an initializer that hangs)."""
+        self.hold_deadline = None
         if self.broken is not None:
             return
+        now = self.clock()
         while self.queue:
             task = self.queue[0]
             candidates = [w for w in self.workers.values() if self._capacity(w, task)]
-            if not candidates:
-                return
             load: collections.Counter[str] = collections.Counter()
             for w in self.workers.values():
                 load[_gpu_key(w)] += len(w.inflight)
-            # An idle worker first, on the least loaded GPU (so that tasks spread over the
-            # GPUs, even onto a worker still starting there), a ready one at equal load.
-            worker = min(candidates, key=lambda w: (
-                len(w.inflight), load[_gpu_key(w)], w.state is not WorkerState.READY,
-                w.slot.index))
+            worker = min(candidates, default=None, key=lambda w: (
+                len(w.inflight), load[_gpu_key(w)], w.slot.index))
+            if worker is None:
+                return
+            if not worker.inflight:
+                soon = [w for w in self.workers.values() if w.state is WorkerState.STARTING
+                        and now < w.started_at + HOLD_FOR_STARTING_S
+                        and load[_gpu_key(w)] < load[_gpu_key(worker)]]
+                if soon:
+                    self.hold_deadline = min(w.started_at for w in soon) + HOLD_FOR_STARTING_S
+                    return
             self.queue.popleft()
             if not task.future_running:
                 # Once the future is RUNNING it cannot be cancelled; a cancelled one is
@@ -450,10 +462,9 @@ class Core:
                 task.future_running = True
             task.state = TaskState.SENT
             task.worker = worker.key
-            task.sent_at = self.clock()
+            task.sent_at = now
             worker.inflight.append(task)
-            if worker.state is WorkerState.READY:
-                worker.state = WorkerState.BUSY
+            worker.state = WorkerState.BUSY
             self.actions.append(SendTask(worker, task))
 
     def _dead(self, worker: Worker, returncode: int | None, *, server: bool = False,

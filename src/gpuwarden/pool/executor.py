@@ -544,7 +544,8 @@ class GPUPool(Executor):
                 if core.done:
                     break
                 now = time.monotonic()
-                due = [t for t in (core.deadline, core.stop_deadline) if t is not None]
+                due = [t for t in (core.deadline, core.stop_deadline, core.hold_deadline)
+                       if t is not None]
                 timeout = max(0.0, min(due) - now) if due else None
                 for key, mask in self._selector.select(timeout):
                     self._on_event(key.data, mask)
@@ -554,6 +555,8 @@ class GPUPool(Executor):
                     core.on_deadline()
                 if core.stop_deadline is not None and now >= core.stop_deadline:
                     core.on_stop_deadline()
+                if core.hold_deadline is not None and now >= core.hold_deadline:
+                    core.dispatch()
         except BaseException:  # noqa: BLE001 - a bug here must not leave futures pending
             log.exception("gpuwarden pool manager failed; the pool is closed")
             core.break_(PoolBrokenError("the pool's manager thread failed (a gpuwarden bug; "
