@@ -356,3 +356,27 @@ def test_ctrl_c_during_parallel_stops_everything(two_gpus, tmp_path) -> None:
     workers = [int(p.name) for p in marks.iterdir()]
     assert wait_until_gone(workers) == []
     assert list_leases(two_gpus).holders == ()
+
+
+IN_A_RANK = """
+import os, sys
+import gpuwarden          # before joblib: the registration waits for joblib.parallel
+from joblib import Parallel, delayed, parallel_config
+with parallel_config(backend="gpuwarden", n_jobs=2, preload=()):
+    pids = set(Parallel()(delayed(os.getpid)() for _ in range(4)))
+print("RANK", os.environ["RANK"], "ran on", len(pids), "worker(s), not", os.getpid() in pids,
+      flush=True)
+"""
+
+
+def test_the_backend_exists_inside_a_gpuwarden_launch_rank_as_under_torchrun(tmp_path) -> None:
+    """The rank's bootstrap imported gpuwarden before the script did; the script's own
+    `import gpuwarden` still registers the backend (under torchrun the import is the first)."""
+    script = tmp_path / "rank.py"
+    script.write_text(IN_A_RANK)
+    env = {**os.environ, "GPUWARDEN_SIMULATE": str(SCENARIOS / "nogpu.json")}
+    done = subprocess.run([sys.executable, "-m", "gpuwarden", "launch", "--nproc-per-node", "1",
+                           str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 ran on" in done.stdout and "not False" in done.stdout, done.stdout
