@@ -102,9 +102,12 @@ def test_a_worker_killed_while_running_fails_that_task_and_requeues_the_pipeline
     h.core.on_exit(w.pid, -9)
     actions = h.take()
     assert h.settled == {first.id: ["died"]}
-    assert first.state is TaskState.FAILED and second.state is TaskState.QUEUED
-    assert [t.id for t in h.core.queue] == [second.id, third.id]  # back at the head, in order
-    assert any(isinstance(a, StartWorker) for a in actions)  # the slot gets a replacement
+    assert first.state is TaskState.FAILED and second.requeues == 1
+    # Back at the head of the queue, in order: the replacement, still starting, reserves it.
+    replacement = next(a.worker for a in actions if isinstance(a, StartWorker))
+    assert [t.id for t in replacement.inflight] == [second.id]
+    assert second.state is TaskState.RESERVED and [t.id for t in h.core.queue] == [third.id]
+    assert not any(isinstance(a, SendTask) and a.task is second for a in actions)
     h.start_all()
     new = h.worker_of(second)
     assert second.future_running and second.state is TaskState.SENT  # not set running twice
@@ -118,14 +121,17 @@ def test_a_worker_killed_before_it_reads_its_task_requeues_it() -> None:
     h = Harness(workers=1, gpus=1)
     h.start_all()
     (task,) = h.submit(1)
-    h.core.on_exit(h.worker_of(task).pid, -9)
+    dead = h.worker_of(task)
+    h.core.on_exit(dead.pid, -9)
     h.take()
-    assert task.state is TaskState.QUEUED and task.requeues == 1 and not h.settled
+    # Requeued, not failed (it never started); reserved by the slot's replacement.
+    assert task.requeues == 1 and not h.settled
+    assert task.state is TaskState.RESERVED and task.worker != dead.key
 
 
 def test_a_worker_that_dies_while_starting_had_no_task_and_three_deaths_break_the_pool() -> None:
     h = Harness(workers=1, gpus=1)
-    (task,) = h.submit(1)  # never sent to a worker still starting: it waits in the queue
+    (task,) = h.submit(1)  # reserved by the worker still starting, never written to it
     for death in range(_core.MAX_START_FAILURES):
         (w,) = h.core.workers.values()
         assert w.state is WorkerState.STARTING
@@ -133,7 +139,7 @@ def test_a_worker_that_dies_while_starting_had_no_task_and_three_deaths_break_th
         h.core.on_exit(w.pid, -9)
         h.take()
         if death < _core.MAX_START_FAILURES - 1:
-            assert not h.settled and task.state in (TaskState.QUEUED, TaskState.SENT)
+            assert not h.settled and task.state is TaskState.RESERVED
     assert h.settled == {task.id: ["broken"]}
     assert h.core.broken is not None and not h.core.workers
 
@@ -159,7 +165,7 @@ def test_the_server_dying_fails_running_tasks_requeues_the_rest_and_starts_again
     h.core.on_server_exit(-9)
     actions = h.take()
     assert h.settled == {a.id: ["server_died"]}
-    assert {b.state, c.state} == {TaskState.QUEUED}
+    assert b.requeues == 1 and TaskState.FAILED not in (b.state, c.state)
     kinds = [type(x) for x in actions if not isinstance(x, Resolve)]
     assert kinds[:3] == [StartServer, StartWorker, StartWorker]  # a new server first
     for _ in range(_core.MAX_START_FAILURES - 1):
@@ -174,13 +180,18 @@ def test_shutdown_with_cancel_cancels_the_queued_and_fails_a_requeued_one() -> N
     h.start_all()
     first, second, third = h.submit(3)
     w = h.worker_of(first)
-    h.core.on_exit(w.pid, -9)  # first was sent, not started: requeued, its future RUNNING
+    h.core.on_exit(w.pid, -9)  # first was sent, not started: requeued (to the replacement)
     h.take()
+    # A requeued task whose future is RUNNING cannot be cancelled: if it waits in the queue
+    # at shutdown(cancel_futures=True), it fails with a named error instead.
+    stuck = Task(99, Future(), b"x", "t99", future_running=True)
+    assert stuck.future.set_running_or_notify_cancel()
+    h.core.queue.append(stuck)
     h.core.shutdown(cancel=True, kill=False, deadline=None)
     h.take()
-    # A future that is RUNNING cannot be cancelled: the requeued task fails, named.
-    assert h.settled == {first.id: ["shutdown"], second.id: ["cancelled"],
-                         third.id: ["cancelled"]}
+    assert h.settled == {second.id: ["cancelled"], third.id: ["cancelled"],
+                         stuck.id: ["shutdown"]}
+    assert first.state is TaskState.RESERVED  # taken before the shutdown: it still runs
 
 
 def test_shutdown_runs_the_queue_then_stops_the_workers() -> None:
@@ -252,6 +263,27 @@ def test_resize_retires_a_busy_worker_after_its_task_and_grows_on_new_slots() ->
     assert sum(isinstance(x, StartWorker) for x in h.take()) == 2
 
 
+def test_a_reservation_is_taken_back_for_an_idle_worker_after_the_hold() -> None:
+    now = [0.0]
+    h = Harness(workers=2, gpus=2)
+    h.core.clock = lambda: now[0]
+    (w0, w1) = sorted(h.core.workers.values(), key=lambda w: w.slot.index)
+    h.core.on_forked(w0.key, 1)
+    h.core.on_forked(w1.key, 2)
+    h.core.on_ready(w0.key)  # w1 stays starting (an initializer that hangs)
+    a, b = h.submit(2)
+    assert a.worker == w0.key and b.state is TaskState.RESERVED and b.worker == w1.key
+    h.core.on_started(w0.key, a.id)
+    h.core.on_result(w0.key, a.id, 1, failed=False)
+    h.take()
+    assert b.state is TaskState.RESERVED  # GPU 1 is the less loaded one: b waits for it
+    assert h.core.hold_deadline == _core.HOLD_FOR_STARTING_S
+    now[0] = h.core.hold_deadline
+    h.core.dispatch()
+    assert any(isinstance(x, SendTask) and x.task is b for x in h.take())
+    assert b.worker == w0.key and b.state is TaskState.SENT
+
+
 def test_finish_leaves_nothing_unresolved() -> None:
     h = Harness(workers=1, gpus=1)
     h.start_all()
@@ -269,9 +301,14 @@ def test_random_faults_resolve_every_task_exactly_once(seed: int) -> None:
     every future settles exactly once (a second set_* raises InvalidStateError), and once
     the machine is finished nothing is pending."""
     rng = random.Random(seed)
+    now = [0.0]
     h = Harness(workers=rng.randint(1, 4), gpus=rng.randint(1, 2))
+    h.core.clock = lambda: now[0]
     h.core.task_s = rng.choice([None, 0.001])
     for _step in range(rng.randint(30, 120)):
+        now[0] += rng.choice([0.0, 0.5, 2.0])
+        if h.core.hold_deadline is not None and now[0] >= h.core.hold_deadline:
+            h.core.dispatch()
         live = list(h.core.workers.values())
         roll = rng.random()
         if roll < 0.25:

@@ -47,13 +47,14 @@ PIPELINE_BELOW_S = 0.005
 PIPELINE_MAX_BYTES = 32 * 1024
 # Workers told to stop get this long to exit before they are killed.
 STOP_GRACE_S = 3.0
-# A task may wait this long for a worker starting on a less loaded GPU rather than go to a
-# ready one on a busier GPU (spreading tasks over GPUs beats starting a second sooner).
+# A task reserved by a worker still starting (on a less loaded GPU: spreading tasks over the
+# GPUs beats starting a second sooner) is taken back for an idle ready worker after this long.
 HOLD_FOR_STARTING_S = 3.0
 
 
 class TaskState(enum.Enum):
     QUEUED = "queued"
+    RESERVED = "reserved"  # taken by a worker still starting; not written to it yet
     SENT = "sent"
     RUNNING = "running"
     DONE = "done"
@@ -77,7 +78,7 @@ class Phase(enum.Enum):
     CLOSED = "closed"      # the manager closes the server and releases the GPUs
 
 
-LIVE_TASK = (TaskState.QUEUED, TaskState.SENT, TaskState.RUNNING)
+LIVE_TASK = (TaskState.QUEUED, TaskState.RESERVED, TaskState.SENT, TaskState.RUNNING)
 
 
 @dataclass(eq=False)
@@ -247,10 +248,18 @@ class Core:
             if index not in wanted:
                 del self.slots[index]
                 worker = self.by_slot.pop(index, None)
-                if worker is not None and worker.state is not WorkerState.DEAD:
-                    worker.state = WorkerState.RETIRING
-                    if not worker.inflight:
-                        self._stop(worker)
+                if worker is None or worker.state is WorkerState.DEAD:
+                    continue
+                if worker.state is WorkerState.STARTING:
+                    for task in reversed(worker.inflight):  # its reservation goes back
+                        task.state = TaskState.QUEUED
+                        self.queue.appendleft(task)
+                    worker.inflight.clear()
+                    self._stop(worker)
+                    continue
+                worker.state = WorkerState.RETIRING
+                if not worker.inflight:
+                    self._stop(worker)
         for index, slot in wanted.items():
             if index not in self.slots:
                 self.slots[index] = slot
@@ -277,6 +286,10 @@ class Core:
         self.start_failures[worker.slot.index] = 0
         self.server_failures = 0
         worker.state = WorkerState.READY
+        for task in worker.inflight:  # its reservation, now written to it
+            task.state = TaskState.SENT
+            worker.state = WorkerState.BUSY
+            self.actions.append(SendTask(worker, task))
         if self.phase is not Phase.RUNNING and self.phase is not Phase.DRAINING:
             self._stop(worker)
         self.dispatch()
@@ -421,16 +434,25 @@ class Core:
     def _capacity(self, worker: Worker, task: Task) -> bool:
         if worker.state is WorkerState.READY:
             return True
+        if worker.state is WorkerState.STARTING:
+            return not worker.inflight  # one task may be reserved by a worker still starting
         return (worker.state is WorkerState.BUSY and len(worker.inflight) == 1
                 and self.task_s is not None and self.task_s < PIPELINE_BELOW_S
                 and len(task.payload) <= PIPELINE_MAX_BYTES)
 
+    def _load(self) -> collections.Counter[str]:
+        load: collections.Counter[str] = collections.Counter()
+        for w in self.workers.values():
+            load[_gpu_key(w)] += len(w.inflight)
+        return load
+
     def dispatch(self) -> None:
-        """Send queued tasks to workers that can take them: an idle worker first, on the
-        least loaded GPU, so that tasks spread over the GPUs. A task is held (at most
-        HOLD_FOR_STARTING_S after that worker began starting) when an idle worker is
-        about to be ready on a GPU less loaded than any ready worker's; it is never sent to
-        a worker still starting, which may never be ready (an initializer that hangs)."""
+        """Give queued tasks to workers: an idle worker first, on the least loaded GPU (so
+        that tasks spread over the GPUs), a ready one before one still starting at equal
+        load. A worker still starting may reserve one task: it is written to the worker when
+        it is ready, and taken back for an idle ready worker if the queue is empty and
+        either the reservation is older than HOLD_FOR_STARTING_S (the worker may never be
+        ready: an initializer that hangs) or moving it evens out the GPUs."""
         self.hold_deadline = None
         if self.broken is not None:
             return
@@ -438,20 +460,12 @@ class Core:
         while self.queue:
             task = self.queue[0]
             candidates = [w for w in self.workers.values() if self._capacity(w, task)]
-            load: collections.Counter[str] = collections.Counter()
-            for w in self.workers.values():
-                load[_gpu_key(w)] += len(w.inflight)
-            worker = min(candidates, default=None, key=lambda w: (
-                len(w.inflight), load[_gpu_key(w)], w.slot.index))
-            if worker is None:
-                return
-            if not worker.inflight:
-                soon = [w for w in self.workers.values() if w.state is WorkerState.STARTING
-                        and now < w.started_at + HOLD_FOR_STARTING_S
-                        and load[_gpu_key(w)] < load[_gpu_key(worker)]]
-                if soon:
-                    self.hold_deadline = min(w.started_at for w in soon) + HOLD_FOR_STARTING_S
-                    return
+            if not candidates:
+                break
+            load = self._load()
+            worker = min(candidates, key=lambda w: (
+                len(w.inflight), load[_gpu_key(w)], w.state is not WorkerState.READY,
+                w.slot.index))
             self.queue.popleft()
             if not task.future_running:
                 # Once the future is RUNNING it cannot be cancelled; a cancelled one is
@@ -460,12 +474,37 @@ class Core:
                     task.state = TaskState.CANCELLED
                     continue
                 task.future_running = True
-            task.state = TaskState.SENT
-            task.worker = worker.key
             task.sent_at = now
-            worker.inflight.append(task)
-            worker.state = WorkerState.BUSY
-            self.actions.append(SendTask(worker, task))
+            self._give(worker, task)
+        if not self.queue:
+            self._take_back(now)
+        young = [w.inflight[0].sent_at for w in self.workers.values()
+                 if w.state is WorkerState.STARTING and w.inflight
+                 and now < w.inflight[0].sent_at + HOLD_FOR_STARTING_S]
+        if young:
+            self.hold_deadline = min(young) + HOLD_FOR_STARTING_S
+
+    def _give(self, worker: Worker, task: Task) -> None:
+        task.worker = worker.key
+        worker.inflight.append(task)
+        if worker.state is WorkerState.STARTING:
+            task.state = TaskState.RESERVED
+            return
+        task.state = TaskState.SENT
+        worker.state = WorkerState.BUSY
+        self.actions.append(SendTask(worker, task))
+
+    def _take_back(self, now: float) -> None:
+        for idle in [w for w in self.workers.values()
+                     if w.state is WorkerState.READY and not w.inflight]:
+            load = self._load()
+            waiting = [w for w in self.workers.values() if w.state is WorkerState.STARTING
+                       and w.inflight and (now >= w.inflight[0].sent_at + HOLD_FOR_STARTING_S
+                                           or load[_gpu_key(idle)] + 2 <= load[_gpu_key(w)])]
+            if not waiting:
+                return
+            starting = min(waiting, key=lambda w: w.inflight[0].sent_at)
+            self._give(idle, starting.inflight.popleft())
 
     def _dead(self, worker: Worker, returncode: int | None, *, server: bool = False,
               replace: bool = True, detail: str = "") -> None:

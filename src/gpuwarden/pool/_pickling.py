@@ -120,6 +120,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class TaskLoadError(Exception):
+    """The task's function or arguments could not be unpickled in the worker. (Defined here,
+    not in the worker's module: a spawned worker runs that module as ``__main__``.)"""
+
+
 def _rebuild_exception(exc: BaseException, tb: str) -> BaseException:
     from concurrent.futures.process import _RemoteTraceback
 

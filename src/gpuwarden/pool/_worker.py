@@ -31,10 +31,6 @@ from gpuwarden.pool._wire import Kind, recv_frame, send_frame
 from gpuwarden.procs import die_with_parent
 
 
-class TaskLoadError(Exception):
-    """The task's function or arguments could not be unpickled in the worker."""
-
-
 def serve(sock: socket.socket) -> int:
     """Run the worker loop until told to stop or the pool goes away; the exit code."""
     # Ctrl-C is for the caller (the worker is in a process group of its own anyway).
@@ -49,7 +45,8 @@ def serve(sock: socket.socket) -> int:
     for entry in reversed(boot["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    name = boot["name"]
+    # The pid is the worker's own (a spawned worker's is not known to the pool before).
+    name = f"worker {boot['index']} (pid {os.getpid()}, {boot['device']})"
     try:
         notes = _start(boot)
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported
@@ -141,8 +138,8 @@ def _run(data: bytearray, name: str) -> tuple[Kind, bytes]:
     try:
         fn, args, kwargs = _pickling.loads(data)
     except BaseException as exc:  # noqa: BLE001 - the caller gets it back, named
-        error = TaskLoadError(f"the task could not be unpickled in the worker: "
-                              f"{type(exc).__name__}: {exc}")
+        error = _pickling.TaskLoadError(f"the task could not be unpickled in the worker: "
+                                        f"{type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return Kind.ERROR, _pickling.dumps_result(_exception(error, name))
     try:

@@ -27,3 +27,8 @@ class PoolBrokenError(errors.PoolBrokenError, BrokenProcessPool):
 class TaskTransferError(errors.PoolError, BrokenProcessPool):
     """This task's function or arguments could not be unpickled in the worker, or its result
     could not be unpickled in the caller. Only this task fails."""
+
+
+class PoolArgumentError(errors.UsageError, ValueError):
+    """A bad count (``max_workers``, ``cpu_workers``, ``workers_per_gpu``): a UsageError, and a
+    ValueError as concurrent.futures raises for ``max_workers``."""

@@ -37,7 +37,12 @@ from gpuwarden.errors import ConstraintError, GpuwardenError, PoolError, UsageEr
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.pool import _core, _pickling, _wire
 from gpuwarden.pool._core import Fault, Task, Worker
-from gpuwarden.pool.errors import PoolBrokenError, TaskTransferError, WorkerDiedError
+from gpuwarden.pool.errors import (
+    PoolArgumentError,
+    PoolBrokenError,
+    TaskTransferError,
+    WorkerDiedError,
+)
 from gpuwarden.pool.plan import THREAD_LIMIT_VARS, WorkerSlot, plan_slots
 from gpuwarden.procs import describe_exit
 
@@ -301,8 +306,7 @@ class GPUPool(Executor):
     ) -> None:
         # Everything that can be refused is refused before a GPU is leased: an error here
         # never leaves GPUs held for as long as its traceback is kept (a REPL, a notebook).
-        if workers_per_gpu is not None and workers_per_gpu < 1:
-            raise UsageError(f"workers_per_gpu={workers_per_gpu}: must be at least 1")
+        _check_count("workers_per_gpu", workers_per_gpu)
         if start_method not in START_METHODS:
             raise UsageError(f"start_method={start_method!r} is not one of {START_METHODS}",
                              fix="'forkserver' (fast starts, preloads once) or 'spawn'")
@@ -344,10 +348,20 @@ class GPUPool(Executor):
         min_free_bytes = make_request(1, min_free=min_free).constraints.min_free_bytes
         # GPUs held by joblib's warm pool in this process, idle now, go to this pool.
         _release_idle_warm_pool()
+        def take() -> Any:
+            return take_gpus(gpus, self._per_gpu, max_workers=max_workers,
+                             min_free_bytes=min_free_bytes, allow_shared=allow_shared,
+                             wait=wait, label=label, inventory=inventory)
+
         try:
-            taken = take_gpus(gpus, self._per_gpu, max_workers=max_workers,
-                              min_free_bytes=min_free_bytes, allow_shared=allow_shared,
-                              wait=wait, label=label, inventory=inventory)
+            try:
+                taken = take()
+            except ConstraintError:
+                # Refused while this process's own pools are closing (a warm pool expiring
+                # on its timer thread): their GPUs are on their way back; wait, ask again.
+                if not _wait_for_closing_pools():
+                    raise
+                taken = take()
         except ConstraintError as exc:
             _blame_own_pools(exc)
             raise
@@ -660,8 +674,8 @@ class GPUPool(Executor):
         link = _Link(worker, parent)
         self._links[worker.key] = link
         self._selector.register(parent, selectors.EVENT_READ, ("worker", link))
-        boot = {**self._boot_common, "env": dict(worker.slot.env), "name": worker.name,
-                "threads": worker.slot.threads}
+        boot = {**self._boot_common, "env": dict(worker.slot.env), "index": worker.slot.index,
+                "device": worker.slot.device_label, "threads": worker.slot.threads}
         link.writer.put(_wire.Kind.BOOT, -1, _pickling.dumps_task(boot))
         self._flush(link)
         # The child's end goes to the server (closed here once sent).
@@ -826,6 +840,12 @@ class GPUPool(Executor):
                 "host kills it (memory)",
                 fix="run the initializer in a plain process to see the crash; try "
                 "preload=() or start_method='spawn'")
+        if fault.kind == "deadline" and task.state is _core.TaskState.RESERVED:
+            return PoolBrokenError(
+                f"task {task.id} ({task.description}) did not run: shutdown's timeout ran out "
+                "while it waited for a worker that was still starting",
+                fix="give shutdown() a longer timeout_s, or look at the workers' start-up "
+                "(initializer, preload)")
         why = {"deadline": "it still ran when shutdown's timeout ran out",
                "killed": "the pool was shut down with kill_workers=True (or killed at exit)",
                "shutdown": "the pool was shut down before it could run again (its first "
@@ -883,14 +903,12 @@ class GPUPool(Executor):
 
 def _check_count(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
-        raise UsageError(f"{name} must be greater than 0 (got {value!r})",
-                         fix=f"{name}=1 or more, or None for the default")
+        raise PoolArgumentError(f"{name} must be greater than 0 (got {value!r})",
+                                fix=f"{name}=1 or more, or None for the default")
 
 
 def _is_load_error(value: Any) -> bool:
-    from gpuwarden.pool._worker import TaskLoadError
-
-    return isinstance(value, TaskLoadError)
+    return isinstance(value, _pickling.TaskLoadError)
 
 
 def _settle(resolve: _core.Resolve) -> None:
@@ -938,6 +956,16 @@ def _export_step() -> None:
 
 # Whether this process wrote the variable (one it inherited, as a step itself, stays).
 _exported = [False]
+
+
+def _wait_for_closing_pools() -> bool:
+    """Wait (bounded) for this process's pools that are shutting down and still hold GPUs;
+    whether there were any."""
+    closing = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p._shutdown
+               and p.gpus and p._thread.is_alive()]
+    for pool in closing:
+        pool._thread.join(2 * _core.STOP_GRACE_S + SERVER_EXIT_WAIT_S)
+    return bool(closing)
 
 
 def _release_idle_warm_pool() -> None:

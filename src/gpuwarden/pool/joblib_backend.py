@@ -145,6 +145,7 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
                 _replaced.append(old)
             else:
                 idle_old = pool
+                pool.shutdown(wait=False)
         _reusable.update(pool=None, settings=None, n=None, users=0)
     if idle_old is not None:
         idle_old.shutdown(wait=True)
@@ -188,6 +189,9 @@ def _done_with(pool: GPUPool, idle_s: float) -> None:
                     or _reusable["users"]:
                 return
             _reusable.update(pool=None, settings=None, timer=None)
+            # Marked closing before the lock goes: a new pool asking for these GPUs waits
+            # for them (GPUPool._take) instead of being refused.
+            pool.shutdown(wait=False)
         pool.shutdown(wait=True)
 
     timer = None
@@ -226,6 +230,8 @@ def shutdown_reusable_pool() -> None:
     with _lock:
         pool, timer = _reusable["pool"], _reusable["timer"]
         _reusable.update(pool=None, settings=None, timer=None, users=0)
+        if pool is not None:
+            pool.shutdown(wait=False)
     if timer is not None:
         timer.cancel()
     if pool is not None:
