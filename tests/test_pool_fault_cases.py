@@ -120,36 +120,6 @@ def test_done_callbacks_may_call_submit_workers_and_shutdown(two_gpus) -> None:
     assert seen_workers and all(n == 1 for n in seen_workers)
 
 
-EXIT_WITH_WAITING_THREAD = """
-import threading, time
-from gpuwarden.pool import GPUPool
-pool = GPUPool(gpus=1, preload=(), exit_timeout_s=0.5)
-hung = pool.submit(time.sleep, 3600)
-def wait_for_it():
-    try:
-        hung.result()
-    except Exception as exc:
-        print("waiter got", type(exc).__name__, flush=True)
-threading.Thread(target=wait_for_it).start()   # an ordinary (non-daemon) thread
-print(" ".join(str(w.pid) for w in pool.workers() if w.pid), flush=True)
-"""
-
-
-def test_exit_is_bounded_even_with_a_thread_waiting_on_a_hung_task(two_gpus,
-                                                                   tmp_path: Path) -> None:
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_WITH_WAITING_THREAD)
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert time.monotonic() - started < 30
-    assert "waiter got PoolBrokenError" in done.stdout
-    pids = [int(p) for p in done.stdout.split("\n")[0].split()]
-    assert wait_until_gone(pids) == []
-    assert holders(two_gpus) == ()
-
-
 def test_a_worker_stuck_starting_holds_up_nothing_else(two_gpus) -> None:
     """A large payload to a worker stuck in its initializer blocks nothing: the other worker
     runs every other task, and shutdown's timeout is kept."""
