@@ -225,6 +225,8 @@ POOL_SCRIPT = textwrap.dedent("""
     from gpuwarden.pool import GPUPool
     pool = GPUPool(workers_per_gpu=2, preload=(), start_method=sys.argv[1])
     list(pool.map(abs, range(8)))
+    while len(pool.workers()) < 4 or not all(w.pid for w in pool.workers()):
+        time.sleep(0.05)   # a worker's pid is known once the server has started it
     print(" ".join(str(w.pid) for w in pool.workers()), flush=True)
     time.sleep(60)
 """)
@@ -319,7 +321,8 @@ import sys, threading, time
 from gpuwarden.pool import GPUPool
 pool = GPUPool(gpus=1, preload=(), exit_timeout_s=0.5)
 hung = pool.submit(time.sleep, 3600)
-time.sleep(0.5)
+while not pool.workers() or not all(w.pid for w in pool.workers()):
+    time.sleep(0.05)   # the worker's pid is known once the server has forked it
 print(" ".join(str(w.pid) for w in pool.workers()), flush=True)
 def wait_for_it():
     try:

@@ -444,6 +444,11 @@ class GPUPool(Executor):
         return len(self._slots)
 
     @property
+    def running(self) -> bool:
+        """Not shut down, closed nor broken: it takes tasks."""
+        return not (self._shutdown or self._closed or self._broken is not None)
+
+    @property
     def capacity(self) -> int | None:
         """The most workers :meth:`resize` can give this pool (None: no limit)."""
         return None if self._spread or not self._gpus else len(self._gpus) * self._per_gpu

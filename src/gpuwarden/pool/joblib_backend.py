@@ -131,7 +131,7 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
             timer.cancel()
             _reusable["timer"] = None
         pool = _reusable["pool"]
-        if pool is not None and _reusable["settings"] == settings \
+        if pool is not None and _reusable["settings"] == settings and pool.running \
                 and _fits(pool, n_workers, pool_kwargs, shared=bool(_reusable["users"])):
             _reusable["users"] += 1
             target = n_workers if _reusable["users"] == 1 else max(n_workers, pool.n_workers)
