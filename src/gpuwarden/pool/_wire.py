@@ -14,6 +14,7 @@ nor its half-sent result.
 from __future__ import annotations
 
 import collections
+import errno
 import socket
 import struct
 from enum import IntEnum
@@ -24,6 +25,9 @@ COALESCE_BYTES = 1 << 16
 # One read call per worker and wake-up takes at most this much: a worker sending a large
 # result cannot starve the others' short messages.
 READ_CHUNK = 1 << 20
+# What a read or write on a worker's socket fails with when the worker is gone. Anything else
+# (ENOBUFS, ENOMEM under memory pressure) is tried again later, never taken for a death.
+GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF, errno.ESHUTDOWN}
 
 
 class Kind(IntEnum):
@@ -91,6 +95,7 @@ class FrameReader:
         self._kind = 0
         self._task_id = 0
         self.eof = False
+        self.error: OSError | None = None
 
     @property
     def partial(self) -> bool:
@@ -128,8 +133,9 @@ class FrameReader:
                     self._body = None
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
-                self.eof = True  # ECONNRESET and the like: the worker is gone
+            except OSError as exc:
+                self.eof = exc.errno in GONE  # ECONNRESET and the like: the worker is gone
+                self.error = exc
                 break
         return frames
 
@@ -140,6 +146,7 @@ class FrameWriter:
     def __init__(self) -> None:
         self._pieces: collections.deque[memoryview] = collections.deque()
         self.broken = False
+        self.error: OSError | None = None
 
     def __bool__(self) -> bool:
         return bool(self._pieces)
@@ -155,8 +162,11 @@ class FrameWriter:
                 sent = sock.send(piece)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in GONE:
+                    return  # tried again when the socket is writable
                 self.broken = True  # EPIPE: the worker is gone; its exit report follows
+                self.error = exc
                 self._pieces.clear()
                 return
             if sent == len(piece):

@@ -702,7 +702,7 @@ class GPUPool(Executor):
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.modify(link.sock, events, ("worker", link))
         if link.writer.broken:
-            self._core.on_lost(link.worker.key)
+            self._lost(link, f"writing to it failed ({link.writer.error})")
 
     def _on_event(self, data: tuple[str, Any], mask: int) -> None:
         kind, link = data
@@ -755,7 +755,14 @@ class GPUPool(Executor):
         if link.reader.eof and not final:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(link.sock)
-            self._core.on_lost(link.worker.key)
+            self._lost(link, f"its socket ended ({link.reader.error or 'end of input'})")
+
+    def _lost(self, link: _Link, why: str) -> None:
+        worker = link.worker
+        if worker.state not in (_core.WorkerState.STOPPING, _core.WorkerState.DEAD):
+            log.info("%s: %s before its exit was reported; it is killed and replaced",
+                     worker.name, why)
+        self._core.on_lost(worker.key)
 
     def _on_frame(self, link: _Link, kind: _wire.Kind, task_id: int, payload: bytearray) -> None:
         core, worker = self._core, link.worker
@@ -823,6 +830,7 @@ class GPUPool(Executor):
             else:
                 what = (f"{worker.name} died with {exit_text} while running task {task.id} "
                         f"({task.description})")
+            log.warning("%s; the pool replaces the worker", what)
             return WorkerDiedError(
                 what,
                 why="usual causes: the host's OOM killer (SIGKILL; see `dmesg`), a segfault in "
