@@ -284,6 +284,22 @@ def test_a_reservation_is_taken_back_for_an_idle_worker_after_the_hold() -> None
     assert b.worker == w0.key and b.state is TaskState.SENT
 
 
+def test_a_starting_worker_retired_by_resize_gets_no_task_even_if_it_becomes_ready() -> None:
+    """Seen in joblib's suite: a resize killed a worker still starting, which then said
+    READY before the kill landed, took a task, and the task failed with its death."""
+    h = Harness(workers=2, gpus=2)
+    (w0, w1) = sorted(h.core.workers.values(), key=lambda w: w.slot.index)
+    h.core.on_forked(w0.key, 1)
+    h.core.on_forked(w1.key, 2)
+    h.core.on_ready(w0.key)
+    h.core.resize(plan_slots([gpu(0), gpu(1)], 1, cpu_workers=0, max_workers=1))
+    assert any(isinstance(x, KillWorker) and x.worker is w1 for x in h.take())
+    h.core.on_ready(w1.key)  # its READY was on its way when the kill was sent
+    tasks = h.submit(4)
+    assert all(t.worker in (None, w0.key) for t in tasks)
+    assert not w1.inflight
+
+
 def test_finish_leaves_nothing_unresolved() -> None:
     h = Harness(workers=1, gpus=1)
     h.start_all()
@@ -340,6 +356,9 @@ def test_random_faults_resolve_every_task_exactly_once(seed: int) -> None:
                             deadline=None)
         elif roll < 0.63:
             h.core.on_deadline()
+        for action in h.core.actions:
+            # A worker the pool decided to kill never gets a task (it would fail with it).
+            assert not (isinstance(action, SendTask) and action.worker.kill_requested), action
         h.take()
         for t in h.tasks:
             assert len(h.settled.get(t.id, [])) <= 1, (t.id, h.settled[t.id])

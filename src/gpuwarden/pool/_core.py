@@ -281,7 +281,7 @@ class Core:
 
     def on_ready(self, key: int) -> None:
         worker = self.workers.get(key)
-        if worker is None or worker.state is not WorkerState.STARTING:
+        if worker is None or worker.state is not WorkerState.STARTING or worker.kill_requested:
             return
         self.start_failures[worker.slot.index] = 0
         self.server_failures = 0
@@ -432,6 +432,8 @@ class Core:
         return self.phase is Phase.RUNNING or (self.phase is Phase.DRAINING and bool(self.queue))
 
     def _capacity(self, worker: Worker, task: Task) -> bool:
+        if worker.kill_requested:
+            return False  # about to die: what it took would fail with it
         if worker.state is WorkerState.READY:
             return True
         if worker.state is WorkerState.STARTING:
@@ -549,6 +551,7 @@ class Core:
             return
         worker.on_purpose = True
         if worker.state is WorkerState.STARTING:
+            worker.state = WorkerState.STOPPING
             self._kill(worker)  # it may be stuck in its initializer: no point waiting
             return
         worker.state = WorkerState.STOPPING
