@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 STEP_ENV = "GPUWARDEN_JOB_STEP"
 MAX_ENV_BYTES = 64 * 1024  # a variable this process did not write is read bounded
-MAX_ANCESTORS = 256
 
 
 @dataclass(frozen=True)
@@ -99,23 +98,14 @@ def env_for(grants: Sequence[Grant]) -> dict[str, str]:
 
 # -- the checks ------------------------------------------------------------------------------
 
-def _parent_of(pid: int) -> int | None:
+def ancestors() -> list[int]:
+    """This process's ancestors, nearest first (the kernel's word, through psutil)."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read(4096)
-        return int(stat.rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def ancestors(pid: int | None = None) -> list[int]:
-    """This process's ancestors, nearest first (from /proc: the kernel's word)."""
-    out: list[int] = []
-    current = _parent_of(pid or os.getpid())
-    while current and current > 1 and current not in out and len(out) < MAX_ANCESTORS:
-        out.append(current)
-        current = _parent_of(current)
-    return out
+        return [p.pid for p in psutil.Process().parents()]
+    except psutil.Error:
+        return []
 
 
 def _holds_lock(pid: int, fd: int, path: str) -> bool:

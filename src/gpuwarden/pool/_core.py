@@ -25,7 +25,7 @@ import collections
 import enum
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +104,6 @@ class Worker:
     started_at: float = 0.0
     kill_requested: bool = False
     on_purpose: bool = False  # stopped or killed by the pool (shutdown, resize), not lost
-    replaced_by: int | None = None
 
     @property
     def name(self) -> str:
@@ -186,7 +185,6 @@ class Core:
         self.by_slot: dict[int, Worker] = {}       # the current worker of each planned slot
         self.start_failures: collections.Counter[int] = collections.Counter()
         self.server_failures = 0
-        self.server_up = False
         self.cancel_queued = False
         self.deadline: float | None = None
         self.stop_deadline: float | None = None
@@ -207,10 +205,7 @@ class Core:
     def _start_worker(self, slot: WorkerSlot) -> Worker:
         worker = Worker(next(self._keys), slot, started_at=self.clock())
         self.workers[worker.key] = worker
-        previous = self.by_slot.get(slot.index)
-        if previous is not None:
-            previous.replaced_by = worker.key
-        self.by_slot[slot.index] = worker
+        self.by_slot[slot.index] = worker  # a dead worker's slot: its replacement
         self.actions.append(StartWorker(worker))
         return worker
 
@@ -267,9 +262,6 @@ class Core:
         self.dispatch()
 
     # -- events from the server and the workers ------------------------------------------
-
-    def on_server_ready(self) -> None:
-        self.server_up = True
 
     def on_forked(self, key: int, pid: int) -> None:
         worker = self.workers.get(key)
@@ -350,7 +342,6 @@ class Core:
 
     def on_server_exit(self, returncode: int | None) -> None:
         """The server is gone: every worker dies with it (PR_SET_PDEATHSIG)."""
-        self.server_up = False
         for worker in list(self.workers.values()):
             self._dead(worker, returncode, server=True, replace=False)
         if self.phase in (Phase.STOPPING, Phase.CLOSED) or self.broken is not None:
@@ -420,11 +411,6 @@ class Core:
     def done(self) -> bool:
         """Every task resolved and every worker dead: the manager may close."""
         return self.phase is Phase.STOPPING and not self.workers
-
-    def live_tasks(self) -> Iterable[Task]:
-        yield from self.queue
-        for worker in self.workers.values():
-            yield from worker.inflight
 
     # -- internals -----------------------------------------------------------------------
 

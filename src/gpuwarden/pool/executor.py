@@ -727,7 +727,6 @@ class GPUPool(Executor):
         for message in messages or []:
             what = message[0]
             if what == "ready":
-                self._core.on_server_ready()
                 for note in message[2]:
                     log.warning("gpuwarden pool: %s", note)
             elif what == "forked":
