@@ -192,7 +192,6 @@ class Core:
         self.hold_deadline: float | None = None
         self.task_s: float | None = None  # recent task time (EWMA), for pipelining
         self.actions: list[Action] = []
-        self.log: list[str] = []  # warnings for the manager to log (outside any lock)
         self._keys = itertools.count()
 
     # -- start ---------------------------------------------------------------------------

@@ -247,6 +247,8 @@ class _ServerLink:
                 proc.send_signal(signal.SIGKILL)
 
     def close(self) -> None:
+        self.gone = True
+        self.flush()  # closes the descriptors of what was never sent
         self.sock.close()
 
 
@@ -626,12 +628,20 @@ class GPUPool(Executor):
             if core.broken is not None and self._broken is None:
                 with self._lock:
                     self._broken = core.broken
-            for message in core.log:
-                log.warning("%s", message)
-            core.log.clear()
             for resolve in resolves:
                 _settle(resolve)
             self._forget_dead_links()
+        self._watch_server()
+
+    def _watch_server(self) -> None:
+        """Read the server's socket always; write to it while messages wait (a full socket
+        buffer: the server is busy forking)."""
+        server = self._server
+        if server is None or not self._registered(server.sock):
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if server.outbox else 0)
+        if self._selector.get_key(server.sock).events != events:
+            self._selector.modify(server.sock, events, ("server", None))
 
     def _publish(self) -> None:
         self._snapshot = tuple(
