@@ -6,7 +6,7 @@ Measured in one run, same number of workers for everyone:
   - a tiny torch computation per task (a 64x64 matmul), warm workers, both preloading torch
     (per-task time and the threads each worker runs with);
   - Parallel calls that alternate n_jobs (n, 2n, n, ...): a warm pool resized, not rebuilt;
-  - the cost of a worker death: from the task that kills its worker to the next result;
+  - the cost of a worker death: from the task that kills its (only) worker to the next result;
   - a large array (--array-mb, 200 MB) given to each of 8 tasks, warm workers: wall time
     and peak memory of the whole process tree (PSS, sampled every 20 ms: shared pages such
     as a memory map count once; RSS summed over the processes for comparison);
@@ -234,20 +234,20 @@ def main() -> int:
     shutdown_reusable_pool()
 
     # -- a worker death: from the killing task to the next result --------------------------
-    print(f"\na worker death (os._exit in a task) to the next task's result, n={n} warm "
-          f"workers without torch, best of {args.repeat}:")
+    # One worker, so that the next task waits for the replacement (or, for loky, for the
+    # executor it builds again: a death breaks a loky executor).
+    print(f"\na worker death (os._exit in a task) until the replacement has run the next task, "
+          f"1 worker without torch, best of {args.repeat}:")
 
     def loky_death() -> None:
-        executor = get_reusable_executor(max_workers=n)
-        executor.submit(die, 0).exception()  # the executor is broken: loky starts a new one
-        get_reusable_executor(max_workers=n).submit(tiny, 0).result()
+        get_reusable_executor(max_workers=1).submit(die, 0).exception()
+        get_reusable_executor(max_workers=1).submit(tiny, 0).result()
 
-    get_reusable_executor(max_workers=n).submit(tiny, 0).result()
+    get_reusable_executor(max_workers=1).submit(tiny, 0).result()
     deaths = {"loky": best(loky_death, args.repeat)}
     get_reusable_executor().shutdown(wait=True)
     for method in ("forkserver", "spawn"):
-        with GPUPool(workers_per_gpu=per_gpu, max_workers=n, start_method=method,
-                     preload=()) as pool:
+        with GPUPool(gpus=1, max_workers=1, start_method=method, preload=()) as pool:
             pool.submit(tiny, 0).result()
             deaths[method] = best(lambda: (pool.submit(die, 0).exception(),  # noqa: B023
                                            pool.submit(tiny, 0).result()), args.repeat)
