@@ -3,6 +3,10 @@
 Measured in one run, same number of workers for everyone:
   - per-task overhead: wall time / number of tiny tasks, warm workers (best of --repeat);
   - first-result latency: from creating the pool (cold) to the first result;
+  - a tiny torch computation per task (a 64x64 matmul), warm workers, both preloading torch
+    (per-task time and the threads each worker runs with);
+  - Parallel calls that alternate n_jobs (n, 2n, n, ...): a warm pool resized, not rebuilt;
+  - the cost of a worker death: from the task that kills its (only) worker to the next result;
   - a large array (--array-mb, 200 MB) given to each of 8 tasks, warm workers: wall time
     and peak memory of the whole process tree (PSS, sampled every 20 ms: shared pages such
     as a memory map count once; RSS summed over the processes for comparison);
@@ -41,6 +45,23 @@ def torch_task(x: int) -> float:
 
 def array_sum(a: Any) -> float:
     return float(a.sum())
+
+
+def torch_small(x: int) -> float:
+    import torch
+
+    a = torch.full((64, 64), float(x))
+    return float((a @ a).sum())
+
+
+def torch_threads(_: int) -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
+def die(_: int) -> None:
+    os._exit(1)
 
 
 class TreeMemory:
@@ -174,6 +195,65 @@ def main() -> int:
     for name, per_task, first in rows:
         ratio = per_task / baseline["joblib" if name.startswith("joblib") else "executor"]
         print(f"{name:42} {per_task * 1e6:8.0f}us {ratio:6.2f}x {first * 1e3:17.0f} ms")
+
+    # -- a tiny torch computation per task, warm workers preloading torch ------------------
+    import torch  # noqa: F401 - the gpuwarden backend then preloads it in its fork server
+
+    torch_tasks = max(200, tasks // 10)
+    print(f"\na tiny torch computation per task (64x64 matmul), {torch_tasks} tasks, n_jobs={n}, "
+          f"warm workers, best of {args.repeat}:")
+    torch_rows: dict[str, float] = {}
+    for backend in ("loky", "gpuwarden"):
+        with joblib.parallel_config(backend=backend, n_jobs=n):
+            threads = sorted(set(Parallel()(delayed(torch_threads)(i) for i in range(2 * n))))
+            s = best(lambda: Parallel()(delayed(torch_small)(i) for i in range(torch_tasks)),
+                     args.repeat)
+        torch_rows[backend] = s / torch_tasks
+        print(f"  {'joblib Parallel, backend=' + backend:40} {s / torch_tasks * 1e6:8.0f} us "
+              f"per task (torch threads per worker: {threads})")
+    print(f"  gpuwarden / loky: {torch_rows['gpuwarden'] / torch_rows['loky']:.2f}x")
+
+    # -- Parallel calls that alternate n_jobs: a warm pool resizes -------------------------
+    calls = [n, 2 * n] * 3
+    print(f"\n{len(calls)} Parallel calls alternating n_jobs {n}/{2 * n} (100 tiny tasks each, "
+          "the first call cold):")
+    alternating: dict[str, float] = {}
+    for backend in ("loky", "gpuwarden"):
+        extra = {"preload": ()} if backend == "gpuwarden" else {}
+        if backend == "loky":
+            get_reusable_executor().shutdown(wait=True)
+        else:
+            shutdown_reusable_pool()
+        t0 = time.perf_counter()
+        for k in calls:
+            Parallel(backend=backend, n_jobs=k, **extra)(delayed(tiny)(i) for i in range(100))
+        alternating[backend] = time.perf_counter() - t0
+        print(f"  {'joblib Parallel, backend=' + backend:40} {alternating[backend] * 1e3:8.0f} ms")
+    print(f"  gpuwarden / loky: {alternating['gpuwarden'] / alternating['loky']:.2f}x")
+    get_reusable_executor().shutdown(wait=True)
+    shutdown_reusable_pool()
+
+    # -- a worker death: from the killing task to the next result --------------------------
+    # One worker, so that the next task waits for the replacement (or, for loky, for the
+    # executor it builds again: a death breaks a loky executor).
+    print(f"\na worker death (os._exit in a task) until the replacement has run the next task, "
+          f"1 worker without torch, best of {args.repeat}:")
+
+    def loky_death() -> None:
+        get_reusable_executor(max_workers=1).submit(die, 0).exception()
+        get_reusable_executor(max_workers=1).submit(tiny, 0).result()
+
+    get_reusable_executor(max_workers=1).submit(tiny, 0).result()
+    deaths = {"loky": best(loky_death, args.repeat)}
+    get_reusable_executor().shutdown(wait=True)
+    for method in ("forkserver", "spawn"):
+        with GPUPool(gpus=1, max_workers=1, start_method=method, preload=()) as pool:
+            pool.submit(tiny, 0).result()
+            deaths[method] = best(lambda: (pool.submit(die, 0).exception(),  # noqa: B023
+                                           pool.submit(tiny, 0).result()), args.repeat)
+    for name, took in deaths.items():
+        label = "loky executor" if name == "loky" else f"GPUPool {name}"
+        print(f"  {label:40} {took * 1e3:8.1f} ms ({took / deaths['loky']:.2f}x loky)")
 
     # -- a large array to 8 tasks: memory maps (both backends), warm workers -----------------
     if args.array_mb:

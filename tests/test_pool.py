@@ -225,6 +225,8 @@ POOL_SCRIPT = textwrap.dedent("""
     from gpuwarden.pool import GPUPool
     pool = GPUPool(workers_per_gpu=2, preload=(), start_method=sys.argv[1])
     list(pool.map(abs, range(8)))
+    while len(pool.workers()) < 4 or not all(w.pid for w in pool.workers()):
+        time.sleep(0.05)   # a worker's pid is known once the server has started it
     print(" ".join(str(w.pid) for w in pool.workers()), flush=True)
     time.sleep(60)
 """)
@@ -315,25 +317,40 @@ def test_shutdown_timeout_kills_a_hung_task(two_gpus, no_leftover_processes,
 
 
 EXIT_SCRIPT = """
-import sys, time
+import sys, threading, time
 from gpuwarden.pool import GPUPool
 pool = GPUPool(gpus=1, preload=(), exit_timeout_s=0.5)
-pool.submit(time.sleep, 3600)
-time.sleep(0.5)
+hung = pool.submit(time.sleep, 3600)
+while not pool.workers() or not all(w.pid for w in pool.workers()):
+    time.sleep(0.05)   # the worker's pid is known once the server has forked it
 print(" ".join(str(w.pid) for w in pool.workers()), flush=True)
+def wait_for_it():
+    try:
+        hung.result()
+    except Exception as exc:
+        print("waiter got", type(exc).__name__, flush=True)
+if sys.argv[1] == "waiter":
+    threading.Thread(target=wait_for_it).start()   # an ordinary (non-daemon) thread
 # The script ends with the task still running: interpreter exit must not wait for it.
 """
 
 
-def test_interpreter_exit_kills_a_hung_task_after_exit_timeout(two_gpus, tmp_path: Path) -> None:
+@pytest.mark.parametrize("waiter", ["alone", "waiter"])
+def test_interpreter_exit_kills_a_hung_task_after_exit_timeout(two_gpus, tmp_path: Path,
+                                                              waiter: str) -> None:
+    """Bounded even while an ordinary thread waits on the hung task's future: the exit hook
+    runs before the interpreter joins threads (threading._register_atexit)."""
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, str(script), waiter], capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started < 30
-    assert wait_until_gone([int(p) for p in done.stdout.split()]) == []
+    lines = done.stdout.splitlines()
+    assert wait_until_gone([int(p) for p in lines[0].split()]) == []
+    if waiter == "waiter":
+        assert lines[1:] == ["waiter got PoolBrokenError"]
 
 
 def test_refusal_by_the_callers_own_pool_says_so(two_gpus, no_leftover_processes) -> None:

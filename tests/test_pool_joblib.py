@@ -54,7 +54,7 @@ def resource_trackers() -> None:
 @pytest.fixture
 def two_gpus(scenario, lease_dir, no_leftover_processes):  # type: ignore[no-untyped-def]
     scenario("two_gpu")
-    yield
+    yield lease_dir
     shutdown_reusable_pool()
 
 
@@ -248,3 +248,135 @@ def test_a_forked_child_does_not_inherit_the_warm_pool(two_gpus) -> None:
         os._exit(0 if joblib_backend._reusable["pool"] is None else 1)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_n_jobs_minus_one_with_one_usable_slot_runs_in_a_pinned_worker(
+        scenario, lease_dir, tmp_path, no_leftover_processes) -> None:
+    """joblib runs n_jobs == 1 in the caller: there the tasks would have no lease and no
+    CUDA_VISIBLE_DEVICES, on whatever GPU the caller sees (GPU 1, someone else's)."""
+    host = tmp_path / "one_free.json"
+    _two_gpus_running(host, {"1": {7001}}, user="dave")
+    scenario(host)
+    try:
+        results = Parallel(backend="gpuwarden", n_jobs=-1, preload=())(
+            delayed(where)(x) for x in range(6))
+        assert {cvd for _, _, cvd in results} == {"0"}
+        assert os.getpid() not in {pid for _, pid, _ in results}
+    finally:
+        shutdown_reusable_pool()
+
+
+def test_alternating_n_jobs_resizes_the_warm_pool_instead_of_restarting(two_gpus) -> None:
+    from gpuwarden.pool import joblib_backend
+
+    pools, pids = set(), []
+    for n_jobs in (2, 4, 2, 4):
+        results = Parallel(backend="gpuwarden", n_jobs=n_jobs, preload=(), batch_size=1)(
+            delayed(where)(x) for x in range(8))
+        pools.add(id(joblib_backend._reusable["pool"]))
+        pids.append({pid for _, pid, _ in results})
+        assert joblib_backend._reusable["pool"].n_workers == n_jobs
+    assert len(pools) == 1  # one pool throughout
+    assert pids[2] <= pids[0] | pids[1]  # shrinking kept workers that were there
+
+
+def slow_where(x: int) -> tuple[int, int, str | None]:
+    time.sleep(0.05)
+    return where(x)
+
+
+@pytest.mark.parametrize("other", [{"n_jobs": 4}, {"n_jobs": 2, "workers_per_gpu": 1}],
+                         ids=["other-n_jobs", "other-settings"])
+def test_two_threads_with_different_settings_neither_hangs(two_gpus, other) -> None:
+    """Neither call shuts down (or shrinks) the pool the other one is running on: more
+    n_jobs grows the shared pool; other settings need a pool of their own, whose GPUs this
+    process's running pool holds — a named error at once, not a wait (loky deadlocks)."""
+    import threading
+
+    from gpuwarden.errors import ConstraintError
+
+    results: dict[str, list[int]] = {}
+
+    def run(name: str, **kw) -> None:  # type: ignore[no-untyped-def]
+        out = Parallel(backend="gpuwarden", preload=(), batch_size=1, **kw)(
+            delayed(slow_where)(x) for x in range(20))
+        results[name] = [r[0] for r in out]
+
+    first = threading.Thread(target=run, args=("first",), kwargs={"n_jobs": 2})
+    first.start()
+    time.sleep(0.3)
+    if "workers_per_gpu" in other:
+        with pytest.raises(ConstraintError, match="this process's own pools hold GPUs"):
+            run("second", **other)
+    else:
+        run("second", **other)
+        assert results["second"] == list(range(20))
+    first.join(60)
+    assert not first.is_alive() and results["first"] == list(range(20))
+
+
+CTRL_C = """
+import os, sys, time
+import gpuwarden
+from joblib import Parallel, delayed
+def slow(i, where):
+    open(os.path.join(where, str(os.getpid())), "w").close()
+    time.sleep(60)
+    return i
+try:
+    Parallel(backend="gpuwarden", n_jobs=2, preload=(), batch_size=1)(
+        delayed(slow)(i, sys.argv[1]) for i in range(8))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_during_parallel_stops_everything(two_gpus, tmp_path) -> None:
+    import signal
+
+    from gpuwarden.lease import list_leases
+    from tests.conftest import wait_until_gone
+
+    marks = tmp_path / "started"
+    marks.mkdir()
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C)
+    proc = subprocess.Popen([sys.executable, str(script), str(marks)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(marks.iterdir())) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 15
+    assert "interrupted" in out and "KeyboardInterrupt" in err
+    workers = [int(p.name) for p in marks.iterdir()]
+    assert wait_until_gone(workers) == []
+    assert list_leases(two_gpus).holders == ()
+
+
+IN_A_RANK = """
+import os, sys
+import gpuwarden          # before joblib: the registration waits for joblib.parallel
+from joblib import Parallel, delayed, parallel_config
+with parallel_config(backend="gpuwarden", n_jobs=2, preload=()):
+    pids = set(Parallel()(delayed(os.getpid)() for _ in range(4)))
+print("RANK", os.environ["RANK"], "ran on", len(pids), "worker(s), not", os.getpid() in pids,
+      flush=True)
+"""
+
+
+def test_the_backend_exists_inside_a_gpuwarden_launch_rank_as_under_torchrun(tmp_path) -> None:
+    """The rank's bootstrap imported gpuwarden before the script did; the script's own
+    `import gpuwarden` still registers the backend (under torchrun the import is the first)."""
+    script = tmp_path / "rank.py"
+    script.write_text(IN_A_RANK)
+    env = {**os.environ, "GPUWARDEN_SIMULATE": str(SCENARIOS / "nogpu.json")}
+    done = subprocess.run([sys.executable, "-m", "gpuwarden", "launch", "--nproc-per-node", "1",
+                           str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANK 0 ran on" in done.stdout and "not False" in done.stdout, done.stdout

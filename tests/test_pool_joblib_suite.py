@@ -1,18 +1,26 @@
-"""joblib's own test-suite (joblib/test/test_parallel.py of the pinned joblib) with "gpuwarden"
-among its process backends, as "loky" and "multiprocessing" are, on a simulated 2-GPU host.
+"""Other projects' test-suites, run against the pool as written, on a simulated 2-GPU host:
 
-The copy of joblib's module differs from the original by one line (PROCESS_BACKENDS); the
-tests that name a backend run for "gpuwarden" (``-k gpuwarden``). Tests that cannot apply
-are deselected below with their reason (also listed in docs/pool.md).
+- joblib's own test_parallel.py (of the pinned joblib) with "gpuwarden" among its process
+  backends, as "loky" and "multiprocessing" are: the copy differs from the original by that
+  one line (PROCESS_BACKENDS); the tests that name a backend run for "gpuwarden";
+- CPython's own test_concurrent_futures.py (Debian's libpython3.11-testsuite, which .ci/run
+  installs), its executor tests that apply to a process executor, with GPUPool as the
+  executor (tests/cpython_suite/run_executor_tests.py: imported by path, never copied).
+
+The two run at the same time, each in its own process and lease directory (CPython's is
+mostly sleeps): the module's fixture starts CPython's when the first test asks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -22,6 +30,7 @@ joblib = pytest.importorskip("joblib")
 pytest.importorskip("numpy")
 
 HERE = Path(__file__).parent
+CPYTHON_START_METHOD = "forkserver"  # the default; spawn passes too (docs/pool.md), at 2x cost
 ORIGINAL = 'PROCESS_BACKENDS = ["multiprocessing", "loky"]'
 PATCHED = 'PROCESS_BACKENDS = ["multiprocessing", "loky", "gpuwarden"]'
 # test id fragment -> why it cannot apply to a GPU pool
@@ -40,8 +49,46 @@ def _suite_dir(tmp_path: Path) -> Path:
     return suite
 
 
-@pytest.mark.timeout(300)
-def test_joblib_test_parallel_passes_with_the_gpuwarden_backend(tmp_path: Path) -> None:
+def cpython_tests() -> Path | None:
+    """This interpreter's test_concurrent_futures.py: its own, or Debian's for its version."""
+    import sysconfig
+
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for base in (Path(sysconfig.get_path("stdlib")), Path(f"/usr/lib/python{version}")):
+        path = base / "test" / "test_concurrent_futures.py"
+        if path.is_file():
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def cpython_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str]]:
+    path = cpython_tests()
+    if path is None:
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        pytest.skip(f"CPython's test_concurrent_futures.py for Python {version} is not "
+                    f"installed (Debian: apt-get install libpython{version}-testsuite, which "
+                    ".ci/run does as root)")
+    leases = tmp_path_factory.mktemp("cpython-leases")
+    env = {**os.environ, "GPUWARDEN_SIMULATE": str(HERE / "scenarios" / "two_gpu.json"),
+           "GPUWARDEN_LEASE_DIR": str(leases)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "cpython_suite" / "run_executor_tests.py"), str(path),
+         CPYTHON_START_METHOD], cwd=HERE / "cpython_suite", env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    yield proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+# Generous bounds: ~1.5-2.5 min on a quiet 2-core box, ~4 min at load average 20.
+@pytest.mark.timeout(600)
+def test_joblib_test_parallel_passes_with_the_gpuwarden_backend(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    with contextlib.suppress(pytest.skip.Exception):
+        request.getfixturevalue("cpython_run")  # let CPython's suite run meanwhile
     suite = _suite_dir(tmp_path)
     leases = tmp_path / "leases"
     leases.mkdir()
@@ -56,12 +103,13 @@ def test_joblib_test_parallel_passes_with_the_gpuwarden_backend(tmp_path: Path) 
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
          "-o", "addopts=", "--rootdir", str(suite), "-k", selection, "--timeout", "120",
+         "--durations", "10",
          "-W", "ignore", str(suite / "test_joblib_parallel.py")],
         cwd=suite, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
     try:
-        out, _ = proc.communicate(timeout=280)
+        out, _ = proc.communicate(timeout=560)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
@@ -79,6 +127,17 @@ def test_joblib_test_parallel_passes_with_the_gpuwarden_backend(tmp_path: Path) 
     assert not leftovers, [(p.pid, _cmdline(p)) for p in leftovers]
     assert not [p for p in leases.rglob("*") if p.is_file() and p.stat().st_size], \
         list(leases.rglob("*"))
+
+
+# After joblib's (which started it): the two suites ran at the same time.
+@pytest.mark.timeout(600)
+def test_cpython_executor_tests_pass_with_gpupool(cpython_run: subprocess.Popen[str]) -> None:
+    out, _ = cpython_run.communicate(timeout=560)
+    tail = out[-6000:]
+    assert cpython_run.returncode == 0, tail
+    ran, skipped, failed = (int(x) for x in re.findall(r"RAN (\d+) SKIPPED (\d+) FAILED (\d+)",
+                                                       tail)[-1])
+    assert failed == 0 and ran - skipped >= 40, tail
 
 
 def _still_running(proc: psutil.Process) -> bool:

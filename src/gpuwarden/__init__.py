@@ -8,6 +8,7 @@ the most used names are re-exported lazily below.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -25,6 +26,11 @@ __all__ = ["__version__", *_LAZY]
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        # A submodule loaded before this package object existed (a `gpuwarden launch` rank:
+        # the bootstrap hands `import gpuwarden` over to the script, _joblib_hook.hand_over).
+        loaded = sys.modules.get(f"{__name__}.{name}")
+        if loaded is not None:
+            return loaded
         raise AttributeError(f"module 'gpuwarden' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

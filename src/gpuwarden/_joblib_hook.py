@@ -72,6 +72,17 @@ def _remove() -> None:
         sys.meta_path.remove(_finder)
 
 
+def hand_over() -> None:
+    """For ``gpuwarden launch``'s rank bootstrap, which imports gpuwarden before the script
+    runs: take the finder away again (the script may never ask for gpuwarden) and forget the
+    package, so that the script's own ``import gpuwarden`` runs the package's ``__init__`` —
+    and registers the backend — exactly as it does under torchrun. Submodules the bootstrap
+    loaded stay loaded (the package finds them again, see ``gpuwarden.__getattr__``)."""
+    _remove()
+    for name in ("gpuwarden", __name__):
+        sys.modules.pop(name, None)
+
+
 def install() -> None:
     """Register now if joblib.parallel is loaded, else as soon as it is."""
     module = sys.modules.get(_TARGET)

@@ -63,10 +63,11 @@ def _set(phase: Phase) -> None:
 def _arm(env: os._Environ[str] | dict[str, str]) -> None:
     global _status
     # Importing this module ran gpuwarden/__init__, which puts the joblib-backend finder on
-    # sys.meta_path; the script did not ask for gpuwarden: its process gets no import hook.
+    # sys.meta_path; the script did not ask for gpuwarden: its process gets no import hook,
+    # and its own `import gpuwarden` runs the package's __init__ as under torchrun.
     from gpuwarden import _joblib_hook
 
-    _joblib_hook._remove()
+    _joblib_hook.hand_over()
     if "GPUWARDEN_SUPERVISOR_PID" in env:
         die_with_parent(int(env["GPUWARDEN_SUPERVISOR_PID"]), exit_code=128 + int(signal.SIGKILL))
     if env.get("GPUWARDEN_FATAL_FILE"):

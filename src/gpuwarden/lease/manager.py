@@ -688,6 +688,10 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
     req = make_request(n, min_free=min_free, slots_per_gpu=slots_per_gpu,
                        slots_each=slots_each, wait=wait, constraints=constraints, label=label,
                        up_to=up_to)
+    from gpuwarden.lease import jobstep  # started by a lease holder: its GPUs (jobstep.py)
+
+    if (step := jobstep.serve(req, lease_dir, env, visible, inventory)) is not None:
+        return step
     waiter = _new_waiter(req, lease_dir, env)
     try:
         return _acquire(waiter, env, on_wait, visible, inventory)

@@ -14,7 +14,8 @@ Tensors get one rule each way:
   context (the pool's parent never initializes CUDA).
 
 Exceptions come back as their own type with the worker's formatted traceback
-as ``__cause__`` (:class:`RemoteTraceback`), the way loky reports them.
+as ``__cause__``: a ``concurrent.futures.process._RemoteTraceback``, exactly what a
+``ProcessPoolExecutor`` gives (so code and tests written for it read it the same way).
 """
 
 from __future__ import annotations
@@ -109,19 +110,25 @@ def dumps_result(obj: Any) -> bytes:
 loads = pickle.loads
 
 
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised in a pool worker, kept as its ``__cause__``."""
+def __getattr__(name: str) -> Any:
+    # RemoteTraceback is only needed where exceptions are unpickled (the pool's process):
+    # a worker does not pay for importing concurrent.futures.process.
+    if name == "RemoteTraceback":
+        from concurrent.futures.process import _RemoteTraceback
 
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
+        return _RemoteTraceback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __str__(self) -> str:
-        return self.tb
+
+class TaskLoadError(Exception):
+    """The task's function or arguments could not be unpickled in the worker. (Defined here,
+    not in the worker's module: a spawned worker runs that module as ``__main__``.)"""
 
 
 def _rebuild_exception(exc: BaseException, tb: str) -> BaseException:
-    exc.__cause__ = RemoteTraceback(tb)
+    from concurrent.futures.process import _RemoteTraceback
+
+    exc.__cause__ = _RemoteTraceback(tb)  # type: ignore[arg-type]  # it takes the text
     return exc
 
 
@@ -131,6 +138,8 @@ class ExceptionWithTraceback:
     def __init__(self, exc: BaseException, worker: str) -> None:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.tb = f'\n"""\n{worker}, {text}"""'
+        # The frames would keep the task's objects alive (and cannot be pickled anyway).
+        exc.__traceback__ = None
         self.exc = exc
 
     def __reduce__(self) -> tuple[Any, ...]:

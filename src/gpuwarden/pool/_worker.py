@@ -1,83 +1,123 @@
 """The pool worker: one process, one GPU slot, one task at a time.
 
-Started either as a fresh interpreter (``python -m gpuwarden.pool._worker FD PPID``,
-the ``spawn`` start method: its environment, CUDA_VISIBLE_DEVICES included, is fixed
-by exec before the interpreter imports anything) or forked by gpuwarden's fork server
-(``forkserver``: the server has imported the preload modules but never touched CUDA;
-:func:`serve` puts this worker's variables into the environment before anything else
-runs, and CUDA reads them when it initializes, which is later, in a task).
+Started by the pool's process server (``_server.py``): forked from it (``forkserver``: the
+server has imported the preload modules but never touched CUDA; the server put this worker's
+variables into its environment before this module runs, and CUDA reads them when it
+initializes, later, in a task) or exec'd as ``python -m gpuwarden.pool._worker FD PPID``
+(``spawn``: the environment, CUDA_VISIBLE_DEVICES included, is fixed before the interpreter
+imports anything).
 
-Protocol on the worker's connection (one framed message each):
-parent -> worker: a boot dict, then task bytes ``(task_id, fn, args, kwargs)``, or ``b"stop"``;
-worker -> parent: a :data:`HEADER` (task id, kind) then a pickle: first READY (notes) or
-INIT_ERROR (the exception), then per task RESULT or ERROR. The header stays outside the
-pickle so that the parent knows which task a result belongs to even when the result
-cannot be unpickled there.
+On the worker's socket (frames of ``_wire.py``): the pool sends BOOT, then TASK frames, or
+STOP; the worker answers READY (or INIT_ERROR), then for each task STARTED as soon as it has
+read it — before anything of the task is unpickled or run, so that the pool knows exactly
+which task a death interrupted — then RESULT or ERROR. stdout and stderr are flushed after
+each task, so a task's output is not lost with a worker that dies later.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing
 import os
 import signal
-import struct
+import socket
 import sys
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 from gpuwarden.pool import _pickling
+from gpuwarden.pool._wire import Kind, recv_frame, send_frame
 from gpuwarden.procs import die_with_parent
 
-HEADER = struct.Struct("<qB")
-RESULT, ERROR, READY, INIT_ERROR = range(4)
 
-
-def _message(task_id: int, kind: int, payload: bytes) -> bytes:
-    return HEADER.pack(task_id, kind) + payload
-
-
-def serve(conn: Connection, boot: dict[str, Any]) -> int:
-    """Run the worker loop until told to stop or the parent goes away; the exit code."""
-    # Ctrl-C goes to the whole process group: the parent decides, the worker finishes its task.
+def serve(sock: socket.socket) -> int:
+    """Run the worker loop until told to stop or the pool goes away; the exit code."""
+    # Ctrl-C is for the caller (the worker is in a process group of its own anyway).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    first = recv_frame(sock)
+    if first is None or first[0] is not Kind.BOOT:
+        return 0
+    boot = _pickling.loads(first[2])
     os.environ.update(boot["env"])
     # The caller's authkey: its Manager() proxies and listeners accept this worker.
     multiprocessing.current_process().authkey = boot["authkey"]
     for entry in reversed(boot["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    name = boot["name"]
+    # The pid is the worker's own (a spawned worker's is not known to the pool before).
+    name = f"worker {boot['index']} (pid {os.getpid()}, {boot['device']})"
     try:
         notes = _start(boot)
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported
-        conn.send_bytes(_message(-1, INIT_ERROR, _pickling.dumps_result(_exception(exc, name))))
+        # As concurrent.futures' workers do: the traceback goes to this logger too.
+        logging.getLogger("concurrent.futures").critical("Exception in initializer:",
+                                                         exc_info=True)
+        send_frame(sock, Kind.INIT_ERROR, -1, _pickling.dumps_result(_exception(exc, name)))
         return 3
-    conn.send_bytes(_message(-1, READY, _pickling.dumps_result(notes)))
+    send_frame(sock, Kind.READY, -1, _pickling.dumps_result(notes))
     while True:
         try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            return 0  # the pool's process is gone: nobody wants the results
-        if data == b"stop":
+            message = recv_frame(sock)
+        except OSError:
             return 0
-        conn.send_bytes(_run(data, name))
+        if message is None or message[0] is Kind.STOP:
+            return 0  # stopped, or the pool's process is gone: nobody wants results
+        kind, task_id, payload = message
+        send_frame(sock, Kind.STARTED, task_id)
+        reply_kind, reply = _run(payload, name)
+        del payload, message
+        send_frame(sock, reply_kind, task_id, reply)
+        del reply
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
 
 
 def _start(boot: dict[str, Any]) -> list[str]:
-    notes: list[str] = []
+    notes = apply_thread_caps(boot["threads"])
     for module in boot["preload"]:
         try:
             importlib.import_module(module)
         except ImportError as exc:
             notes.append(f"preload {module!r} not importable: {exc}")
+    if boot["preload"]:
+        notes.extend(apply_thread_caps(boot["threads"]))
     fraction = boot["memory_fraction"]
     if fraction is not None:
         notes.extend(_cap_memory(fraction))
     if boot["initializer"] is not None:
         initializer, initargs = _pickling.loads(boot["initializer"])
         initializer(*initargs)
+    return notes
+
+
+def apply_thread_caps(threads: int | None) -> list[str]:
+    """Cap the thread pools of numerical libraries already loaded in this process.
+
+    The variables (OMP_NUM_THREADS, ...) are in the environment before any library is
+    loaded in a spawned worker; a forked one inherits libraries the server loaded, whose
+    thread counts were read at their load. So the caps are also applied through the
+    libraries' own calls: torch's ``set_num_threads`` and, when it is installed,
+    threadpoolctl's (OpenMP, OpenBLAS, MKL, BLIS)."""
+    if threads is None:
+        return []
+    notes: list[str] = []
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "set_num_threads"):
+        try:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+        except RuntimeError as exc:
+            notes.append(f"torch.set_num_threads({threads}) failed: {exc}")
+    if any(name in sys.modules for name in ("numpy", "torch", "scipy")):
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            return notes
+        threadpool_limits(limits=threads)
     return notes
 
 
@@ -94,17 +134,24 @@ def _cap_memory(fraction: float) -> list[str]:
     return []
 
 
-def _run(data: bytes, name: str) -> bytes:
-    task_id = HEADER.unpack_from(data)[0]
+def _run(data: bytearray, name: str) -> tuple[Kind, bytes]:
     try:
-        fn, args, kwargs = _pickling.loads(memoryview(data)[HEADER.size:])
+        fn, args, kwargs = _pickling.loads(data)
+    except BaseException as exc:  # noqa: BLE001 - the caller gets it back, named
+        error = _pickling.TaskLoadError(f"the task could not be unpickled in the worker: "
+                                        f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return Kind.ERROR, _pickling.dumps_result(_exception(error, name))
+    try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - the caller gets it back
-        return _message(task_id, ERROR, _pickling.dumps_result(_exception(exc, name)))
+        return Kind.ERROR, _pickling.dumps_result(_exception(exc, name))
+    finally:
+        del fn, args, kwargs
     try:
-        return _message(task_id, RESULT, _pickling.dumps_result(result))
+        return Kind.RESULT, _pickling.dumps_result(result)
     except BaseException as exc:  # noqa: BLE001 - an unpicklable result is the task's error
-        return _message(task_id, ERROR, _pickling.dumps_result(_exception(exc, name)))
+        return Kind.ERROR, _pickling.dumps_result(_exception(exc, name))
 
 
 def _exception(exc: BaseException, name: str) -> Any:
@@ -112,7 +159,7 @@ def _exception(exc: BaseException, name: str) -> Any:
     try:
         _pickling.dumps_result(carrier)
         return carrier
-    except Exception as pickling_error:
+    except BaseException as pickling_error:  # noqa: BLE001 - even that must come back
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         carrier.exc = RuntimeError(
             f"{text} (this exception could not be pickled back from the worker: "
@@ -123,9 +170,7 @@ def _exception(exc: BaseException, name: str) -> Any:
 def main(argv: list[str]) -> int:
     fd, ppid = int(argv[0]), int(argv[1])
     die_with_parent(ppid)
-    conn = Connection(fd)
-    boot = _pickling.loads(conn.recv_bytes())
-    return serve(conn, boot)
+    return serve(socket.socket(fileno=fd))
 
 
 if __name__ == "__main__":

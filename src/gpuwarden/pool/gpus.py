@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from gpuwarden.errors import NoGPUError, UsageError
+from gpuwarden.errors import ConstraintError, NoGPUError, UsageError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.select import Constraints
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
+    from gpuwarden.lease import Grant
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class TakenGPUs:
     gpus: tuple[GPUSnapshot, ...]
     release: Callable[[], None]
     why_cpu: str = ""  # set when ``gpus`` is empty: why the pool runs on the CPU
+    grant: Grant | None = None  # the lease (or job step) the GPUs are held by
 
 
 def _nothing() -> None:
@@ -42,12 +44,14 @@ def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: i
     For ``"auto"`` this asks the lease manager the same question ``take_gpus`` has it decide
     (every GPU acceptable under these constraints and not leased to someone else), so a
     count made here and the GPUs taken later agree unless another process leases meanwhile.
+    In a job step (a process started by a lease holder) it is the holder's GPUs seen here.
     """
     if isinstance(spec, int):
         return spec
     if not isinstance(spec, str):
         return len(spec)
     from gpuwarden.inventory import Inventory
+    from gpuwarden.lease import jobstep
     from gpuwarden.lease.manager import usable_count
 
     inventory = inventory or Inventory.from_env()
@@ -57,6 +61,9 @@ def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: i
         return 0
     if not visible:
         return 0
+    step = jobstep.usable(visible=visible)
+    if step is not None:
+        return step
     return usable_count(slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
                         constraints=_constraints(1, min_free_bytes, allow_shared),
                         visible=visible, inventory=inventory)
@@ -112,7 +119,14 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
         include = () if isinstance(spec, int) else tuple(str(i) for i in spec)
         n = spec if isinstance(spec, int) else len(include)
         n, up_to = (n if cap is None else min(n, cap)), None
-    grant = acquire(n, up_to=up_to, slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
-                    wait=wait, label=label, visible=visible, inventory=inventory,
-                    constraints=_constraints(1, min_free_bytes, allow_shared, include))
-    return TakenGPUs(tuple(grant.gpus), grant.release)
+    try:
+        grant = acquire(n, up_to=up_to, slots_per_gpu=workers_per_gpu,
+                        slots_each=workers_per_gpu, wait=wait, label=label, visible=visible,
+                        inventory=inventory,
+                        constraints=_constraints(1, min_free_bytes, allow_shared, include))
+    except ConstraintError as exc:
+        from gpuwarden.lease import jobstep
+
+        jobstep.blame_ancestor(exc)
+        raise
+    return TakenGPUs(tuple(grant.gpus), grant.release, grant=grant)

@@ -56,6 +56,9 @@ _JOBLIB_ONLY = ("context", "prefer", "require")
 
 _lock = threading.Lock()
 _reusable: dict[str, Any] = {}
+# Pools replaced by a call with other settings while another call still used them: each is
+# shut down when its last call ends (never under a call that runs on it).
+_replaced: list[dict[str, Any]] = []
 
 
 def _forget_reusable() -> None:
@@ -64,6 +67,7 @@ def _forget_reusable() -> None:
     global _lock
     _lock = threading.Lock()
     _reusable.update(settings=None, n=None, pool=None, timer=None, users=0)
+    _replaced.clear()
 
 
 _forget_reusable()
@@ -76,11 +80,12 @@ def _settings_key(pool_kwargs: dict[str, Any]) -> str:
     return repr(sorted(pool_kwargs.items()))
 
 
-def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
-    """How many workers ``n_jobs=-1`` means: every slot of the GPUs the pool would take.
+def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
+    """How many workers ``n_jobs=-1`` means (every slot of the GPUs the pool would have), and
+    whether they are GPU slots.
 
-    The warm pool with these settings answers with its own size: its workers hold the
-    GPUs (leased, CUDA contexts in NVML), so counting afresh would find them taken. Else the
+    The warm pool with these settings counts its own GPUs (leased, CUDA contexts in NVML:
+    counted afresh they would look taken) plus the GPUs still usable beside them; else the
     count is the lease manager's answer for ``gpus="auto"``, the one ``take_gpus`` acts on,
     under the pool's own ``min_free``/``allow_shared``.
     """
@@ -90,10 +95,10 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
     settings = _settings_key(pool_kwargs)
     with _lock:
         pool = _reusable["pool"]
-        if pool is not None and _reusable["settings"] == settings:
-            return int(pool.n_workers)
-    # Other settings replace the warm pool anyway: let its GPUs go before counting them.
-    release_if_idle()
+        own = pool if pool is not None and _reusable["settings"] == settings else None
+    if own is None:
+        # Other settings replace the warm pool anyway: let its GPUs go before counting them.
+        release_if_idle()
     workers_per_gpu = int(pool_kwargs.get("workers_per_gpu") or 1)
     min_free = pool_kwargs.get("min_free")
     gpus = usable_gpu_count(
@@ -101,65 +106,122 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> int:
         min_free_bytes=make_request(1, min_free=min_free).constraints.min_free_bytes,
         allow_shared=bool(pool_kwargs.get("allow_shared", False)),
         inventory=pool_kwargs.get("inventory"))
+    if own is not None and own.gpus:
+        explicit = pool_kwargs.get("gpus", "auto") != "auto"
+        gpus = len(own.gpus) if explicit else len(own.gpus) + gpus
     if gpus:
-        return gpus * workers_per_gpu
-    return int(pool_kwargs.get("cpu_workers") or os.cpu_count() or 1)
+        return gpus * workers_per_gpu, True
+    if own is not None:
+        return int(own.n_workers), False
+    return int(pool_kwargs.get("cpu_workers") or os.cpu_count() or 1), False
 
 
 def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
-    """The warm pool when its settings match, else a new one; counted as in use."""
+    """The warm pool when its settings match (resized to ``n_workers``, as loky's reusable
+    executor is), else a new one; counted as in use.
+
+    A warm pool that another call is using is never shut down nor shrunk under it: a call
+    with other settings gets a pool of its own (the other one goes when its call ends), one
+    with more workers grows the shared pool."""
     settings = _settings_key(pool_kwargs)
+    idle_old = None
     with _lock:
         timer = _reusable["timer"]
         if timer is not None:
             timer.cancel()
             _reusable["timer"] = None
         pool = _reusable["pool"]
-        # n_workers as asked, or as the pool turned out (fewer GPUs were free than asked).
-        if pool is not None and _reusable["settings"] == settings and \
-                n_workers in (_reusable["n"], pool.n_workers):
+        if pool is not None and _reusable["settings"] == settings and pool.running \
+                and _fits(pool, n_workers, pool_kwargs, shared=bool(_reusable["users"])):
             _reusable["users"] += 1
+            target = n_workers if _reusable["users"] == 1 else max(n_workers, pool.n_workers)
+            if target != pool.n_workers:
+                pool.resize(target)
+            _reusable["n"] = n_workers
             return pool
-        _reusable["pool"] = None
-    if pool is not None:
-        pool.shutdown(wait=True)
+        if pool is not None:
+            old = dict(_reusable)
+            if old["users"]:
+                _replaced.append(old)
+            else:
+                idle_old = pool
+                pool.shutdown(wait=False)
+        _reusable.update(pool=None, settings=None, n=None, users=0)
+    if idle_old is not None:
+        idle_old.shutdown(wait=True)
     from gpuwarden.pool.executor import GPUPool
 
     pool = GPUPool(max_workers=n_workers, **pool_kwargs)
     with _lock:
-        previous = _reusable["pool"]
-        _reusable.update(settings=settings, pool=pool, n=n_workers, users=1)
-    if previous is not None:  # another thread's pool, replaced: it is idle or its own
-        previous.shutdown(wait=False)
+        previous = dict(_reusable) if _reusable["pool"] is not None else None
+        _reusable.update(settings=settings, pool=pool, n=n_workers, users=1, timer=None)
+        if previous is not None and previous["users"]:
+            _replaced.append(previous)  # another thread's pool, in use: it goes when done
+        elif previous is not None:
+            previous["pool"].shutdown(wait=False)
     return pool
 
 
+def _fits(pool: GPUPool, n_workers: int, pool_kwargs: dict[str, Any], *, shared: bool) -> bool:
+    """Whether ``pool`` can serve a call of ``n_workers`` workers by resizing: within its
+    capacity, and — when nobody else uses it and it took "auto" GPUs — not when a new pool
+    would get more GPUs than it holds (workers spread over more GPUs beat more workers per
+    GPU)."""
+    capacity = pool.capacity
+    if capacity is not None and n_workers > capacity:
+        return False
+    if shared or not pool.gpus or n_workers <= len(pool.gpus) \
+            or pool_kwargs.get("gpus", "auto") != "auto":
+        return True
+    from gpuwarden.pool.gpus import usable_gpu_count
+
+    others = usable_gpu_count("auto", inventory=pool_kwargs.get("inventory"),
+                              allow_shared=bool(pool_kwargs.get("allow_shared", False)))
+    return others == 0
+
+
 def _done_with(pool: GPUPool, idle_s: float) -> None:
-    """A Parallel call stopped using ``pool``: once nobody uses it, start the idle clock."""
+    """A Parallel call stopped using ``pool``: once nobody uses it, start the idle clock (or,
+    for a pool that was replaced meanwhile, shut it down)."""
     def expire() -> None:
         with _lock:
             if _reusable["pool"] is not pool or _reusable["timer"] is not timer \
                     or _reusable["users"]:
                 return
             _reusable.update(pool=None, settings=None, timer=None)
+            # Marked closing before the lock goes: a new pool asking for these GPUs waits
+            # for them (GPUPool._take) instead of being refused.
+            pool.shutdown(wait=False)
         pool.shutdown(wait=True)
 
+    timer = None
     with _lock:
-        if _reusable["pool"] is not pool:
-            return
-        _reusable["users"] = max(0, _reusable["users"] - 1)
-        if _reusable["users"]:
-            return
-        timer = threading.Timer(idle_s, expire)
-        timer.daemon = True
-        _reusable["timer"] = timer
-    timer.start()
+        replaced = next((e for e in _replaced if e["pool"] is pool), None)
+        if replaced is not None:
+            replaced["users"] -= 1
+            if replaced["users"] > 0:
+                return
+            _replaced.remove(replaced)
+        else:
+            if _reusable["pool"] is not pool:
+                return
+            _reusable["users"] = max(0, _reusable["users"] - 1)
+            if _reusable["users"]:
+                return
+            timer = threading.Timer(idle_s, expire)
+            timer.daemon = True
+            _reusable["timer"] = timer
+    if timer is not None:
+        timer.start()  # kept warm until it expires
+    else:
+        pool.shutdown(wait=True)
 
 
 def _drop_pool(pool: GPUPool, *, kill: bool) -> None:
     with _lock:
         if _reusable["pool"] is pool:
             _reusable.update(pool=None, settings=None, users=0)
+        _replaced[:] = [e for e in _replaced if e["pool"] is not pool]
     pool.shutdown(wait=True, cancel_futures=True, kill_workers=kill)
 
 
@@ -168,6 +230,8 @@ def shutdown_reusable_pool() -> None:
     with _lock:
         pool, timer = _reusable["pool"], _reusable["timer"]
         _reusable.update(pool=None, settings=None, timer=None, users=0)
+        if pool is not None:
+            pool.shutdown(wait=False)
     if timer is not None:
         timer.cancel()
     if pool is not None:
@@ -215,33 +279,40 @@ class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
         GPU), or inside a task of another Parallel (joblib's ``nesting_level`` > 0: a loky,
         threading or multiprocessing task) or a daemonic process (a multiprocessing worker)
         — there with a warning, as loky does: a pool there would compete with its siblings
-        for the same GPUs.
+        for the same GPUs. A negative ``n_jobs`` that comes to one GPU slot is 2 for joblib
+        (which runs ``n_jobs == 1`` in the caller, unleased, on whatever GPU it sees) and one
+        pinned worker in the pool.
         """
+        return self._resolve(n_jobs)[0]
+
+    def _resolve(self, n_jobs: int | None) -> tuple[int, int]:
+        """(what joblib is told, how many workers the pool gets)."""
         if n_jobs == 0:
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
         if n_jobs is None or n_jobs == 1:
-            return 1
+            return 1, 1
         if os.environ.get(WORKER_ENV) is not None:
-            return 1
+            return 1, 1
         nested = _nested_where(self.nesting_level)
         if nested is not None:
             warnings.warn(f"gpuwarden-backed parallel loops cannot be nested {nested}, "
-                          "setting n_jobs=1", stacklevel=3)
-            return 1
+                          "setting n_jobs=1", stacklevel=4)
+            return 1, 1
         if n_jobs < 0:
-            slots = _usable_slots(self._pool_kwargs)
-            return max(slots + 1 + n_jobs, 1)
-        return int(n_jobs)
+            slots, on_gpus = _usable_slots(self._pool_kwargs)
+            workers = max(slots + 1 + n_jobs, 1)
+            return (max(workers, 2) if on_gpus else workers), workers
+        return int(n_jobs), int(n_jobs)
 
     def configure(self, n_jobs: int | None = 1, parallel: Any = None, prefer: Any = None,
                   require: Any = None, **kwargs: Any) -> int:
         pool_kwargs, memmap_kwargs, idle_s = _split_kwargs({**self.backend_kwargs, **kwargs})
         self._pool_kwargs = pool_kwargs
-        n = self.effective_n_jobs(n_jobs)
+        n, workers = self._resolve(n_jobs)
         if n == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
         self._idle_s = idle_s
-        self._pool = _get_pool(n, pool_kwargs)
+        self._pool = _get_pool(workers, pool_kwargs)
         self.parallel = parallel
         # joblib's memmapping, as its multiprocessing backend wires it: arrays above
         # max_nbytes are dumped once into a folder of this Parallel call and sent as memory

@@ -1,0 +1,120 @@
+"""Tasks the pool tests send to workers. Standard library only: a worker imports this module
+by name to run them, and the fault matrix starts many workers."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def tiny(x: int) -> int:
+    return x + 1
+
+
+def pid_and_env(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
+    time.sleep(delay_s)
+    return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")
+
+
+def die(how: str) -> None:
+    """End this process the way a worker dies: 'SIGKILL', 'SIGSEGV' or 'exit3'."""
+    if how == "exit3":
+        os._exit(3)
+    # No core file: a segfault here is a test's, and a core dump costs seconds.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.kill(os.getpid(), getattr(signal, how))
+    time.sleep(10)  # the signal arrives before this ends
+
+
+def fault(how: str, delay_s: float = 0.0) -> None:
+    time.sleep(delay_s)
+    die(how)
+
+
+class DiesWhenPickled:
+    """A result whose pickling (in the worker, after the task returned) kills the worker."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __reduce__(self) -> Any:
+        die(self.how)
+        raise AssertionError("unreachable")
+
+
+def fault_while_sending(how: str) -> DiesWhenPickled:
+    return DiesWhenPickled(how)
+
+
+def write_pid_and_sleep(path: str, seconds: float = 60.0) -> None:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)
+
+
+def fork_helper_then_die(path: str) -> None:
+    """Fork a helper that keeps every descriptor (the worker's socket too), then die."""
+    helper = os.fork()
+    if helper == 0:
+        time.sleep(60)
+        os._exit(0)
+    Path(path).write_text(str(helper))
+    die("SIGKILL")
+
+
+def start_sleeper(path: str, new_session: bool) -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=new_session)
+    Path(path).write_text(str(proc.pid))
+    return proc.pid
+
+
+def hang_in_slot(slot: str) -> None:
+    """An initializer that never returns in worker ``slot``."""
+    if os.environ.get("GPUWARDEN_POOL_WORKER") == slot:
+        time.sleep(3600)
+
+
+def die_once(marker: str) -> None:
+    """An initializer that kills the first worker to run it (as the OOM killer during
+    ``import torch``) and lets the next ones start."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.close(fd)
+    die("SIGKILL")
+
+
+def thread_counts() -> dict[str, Any]:
+    import torch
+    from threadpoolctl import threadpool_info
+
+    return {"torch": torch.get_num_threads(),
+            "pools": {(p["internal_api"], p["num_threads"]) for p in threadpool_info()},
+            "env": os.environ.get("OMP_NUM_THREADS")}
+
+
+def dies_in_the_middle_of_its_result(size: int) -> bytes:
+    """Return ``size`` bytes, and SIGKILL this worker while it is sending them."""
+    import threading
+
+    main = threading.get_ident()
+
+    def watch() -> None:
+        while True:
+            frame = sys._current_frames().get(main)
+            while frame is not None:
+                if frame.f_code.co_name == "send_frame":
+                    time.sleep(0.05)  # some of it is on its way by then
+                    die("SIGKILL")
+                frame = frame.f_back
+            time.sleep(0.0005)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return b"x" * size

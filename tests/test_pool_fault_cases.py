@@ -1,0 +1,362 @@
+"""Issue 30's fault list, case by case, each with the outcome it asserts (docs/pool.md, "What
+happens when"): nothing pending once shutdown returns, no deadlock on the pool's own lock,
+exit bounded, no head-of-line blocking, blame where it belongs, no stray write, no GPU
+leaked by a failed constructor, nothing a task started outliving its worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import CancelledError, Future, wait
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpuwarden.errors import PoolBrokenError, WorkerDiedError
+from gpuwarden.pool import GPUPool
+from tests import pool_tasks
+from tests.conftest import wait_until_gone
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def two_gpus(scenario, lease_dir, no_leftover_processes):  # type: ignore[no-untyped-def]
+    scenario("two_gpu")
+    return lease_dir
+
+
+def holders(lease_dir: Path) -> tuple[object, ...]:
+    from gpuwarden.lease import list_leases
+
+    return list_leases(lease_dir).holders
+
+
+def test_shutdown_with_a_timeout_leaves_no_future_pending(two_gpus) -> None:
+    pool = GPUPool(gpus=1, preload=())
+    hung = pool.submit(time.sleep, 60)
+    queued = [pool.submit(pool_tasks.tiny, i) for i in range(20)]
+    pool.shutdown(wait=True, timeout_s=0.5)
+    assert hung.done() and all(f.done() for f in queued)
+    with pytest.raises(PoolBrokenError, match="shutdown's timeout"):
+        hung.result(timeout=0)
+    for f in queued:
+        assert f.cancelled() or f.result(timeout=0) >= 1
+
+
+def test_submit_racing_shutdown_is_refused_or_runs_never_pending(two_gpus) -> None:
+    pool = GPUPool(gpus=1, preload=())
+    accepted: list[Future[int]] = []
+    refused = 0
+    go = threading.Event()
+
+    def submitter() -> None:
+        nonlocal refused
+        go.set()
+        for i in range(100000):
+            try:
+                accepted.append(pool.submit(pool_tasks.tiny, i))
+            except RuntimeError:
+                refused += 1
+                return
+
+    thread = threading.Thread(target=submitter)
+    thread.start()
+    go.wait()
+    time.sleep(0.05)
+    pool.shutdown(wait=True)
+    thread.join()
+    assert refused == 1 and accepted
+    assert all(f.done() for f in accepted)  # run (shutdown without cancel runs the queue)
+    assert [f.result() for f in accepted] == [i + 1 for i in range(len(accepted))]
+
+
+def test_no_write_reaches_the_wake_pipes_old_descriptor_after_close(two_gpus,
+                                                                     tmp_path: Path) -> None:
+    pool = GPUPool(gpus=1, preload=())
+    old = pool._wake_w
+    pool.shutdown()
+    # Whatever now has the wake pipe's old number gets no byte from the closed pool.
+    opened = []
+    while True:
+        fd = os.open(tmp_path / f"f{len(opened)}", os.O_CREAT | os.O_RDWR)
+        opened.append(fd)
+        if fd >= old or len(opened) > 64:
+            break
+    pool.shutdown()
+    with pytest.raises(RuntimeError):
+        pool.submit(pool_tasks.tiny, 1)
+    assert all(os.fstat(fd).st_size == 0 for fd in opened)
+    for fd in opened:
+        os.close(fd)
+
+
+def test_done_callbacks_may_call_submit_workers_and_shutdown(two_gpus) -> None:
+    pool = GPUPool(gpus=1, preload=())
+    chained: list[Future[int]] = []
+    seen_workers: list[int] = []
+    stopped = threading.Event()
+
+    def then_submit(f: Future[int]) -> None:
+        seen_workers.append(len(pool.workers()))
+        if f.result() < 5:
+            chained.append(pool.submit(pool_tasks.tiny, f.result()))
+            chained[-1].add_done_callback(then_submit)
+        else:
+            pool.shutdown(wait=True)  # from the pool's own thread: returns at once
+            stopped.set()
+
+    first = pool.submit(pool_tasks.tiny, 0)
+    first.add_done_callback(then_submit)
+    assert stopped.wait(30)
+    pool.shutdown(wait=True)
+    assert [f.result(timeout=0) for f in chained] == [2, 3, 4, 5]
+    assert seen_workers and all(n == 1 for n in seen_workers)
+
+
+def test_a_worker_stuck_starting_holds_up_nothing_else(two_gpus) -> None:
+    """A large payload to a worker stuck in its initializer blocks nothing: the other worker
+    runs every other task, and shutdown's timeout is kept."""
+    pool = GPUPool(workers_per_gpu=1, preload=(), initializer=pool_tasks.hang_in_slot,
+                   initargs=("1",))
+    big = pool.submit(len, b"x" * (32 << 20))  # far more than a socket buffer
+    small = [pool.submit(pool_tasks.tiny, i) for i in range(10)]
+    assert [f.result(timeout=30) for f in small] == [i + 1 for i in range(10)]
+    started = time.monotonic()
+    pool.shutdown(wait=True, timeout_s=1.0)
+    assert time.monotonic() - started < 15
+    assert big.done()
+    if big.exception() is not None:  # it waited for the stuck worker
+        assert isinstance(big.exception(), PoolBrokenError)
+
+
+def test_a_worker_dying_at_start_fails_no_task(two_gpus, tmp_path: Path) -> None:
+    with GPUPool(gpus=1, preload=(), initializer=pool_tasks.die_once,
+                 initargs=(str(tmp_path / "died"),)) as pool:
+        futures = [pool.submit(pool_tasks.tiny, i) for i in range(5)]
+        assert [f.result(timeout=30) for f in futures] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "died").exists()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_the_server_dying_fails_running_tasks_by_name_and_the_pool_goes_on(
+        two_gpus, tmp_path: Path, start_method: str) -> None:
+    with GPUPool(gpus=1, preload=(), start_method=start_method) as pool:
+        running = pool.submit(pool_tasks.write_pid_and_sleep, str(tmp_path / "pid"), 60)
+        queued = [pool.submit(pool_tasks.tiny, i) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert pool._server is not None
+        os.kill(pool._server.pid, signal.SIGKILL)
+        error = running.exception(timeout=30)
+        assert isinstance(error, WorkerDiedError), repr(error)
+        assert "died with the pool's process server (SIGKILL(-9))" in error.what
+        assert [f.result(timeout=30) for f in queued] == [1, 2, 3]
+        assert pool.submit(pool_tasks.tiny, 9).result(timeout=30) == 10
+
+
+def test_an_unpicklable_initarg_is_refused_before_any_gpu_is_leased(two_gpus) -> None:
+    with pytest.raises(Exception, match="pickle"):
+        GPUPool(gpus=1, preload=(), initializer=print, initargs=(threading.Lock(),))
+    assert holders(two_gpus) == ()
+    with GPUPool(preload=()) as pool:  # every GPU is free for the next pool
+        assert len(pool.gpus) == 2
+
+
+class ReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+
+def test_arguments_are_never_repred(two_gpus) -> None:
+    with GPUPool(gpus=1, preload=()) as pool:
+        assert pool.submit(type, ReprRaises()).result(timeout=30) is ReprRaises
+        future = pool.submit(pool_tasks.fault, "SIGKILL", 0.0)
+        error = future.exception(timeout=30)
+        assert "fault('SIGKILL', 0.0)" in error.what
+
+
+def test_a_helper_holding_the_socket_does_not_hide_the_workers_death(two_gpus,
+                                                                     tmp_path: Path) -> None:
+    """The death is known from the server's exit report, not from the socket's end (which
+    the helper keeps open); the helper, in the worker's process group, goes with it."""
+    with GPUPool(gpus=1, preload=()) as pool:
+        started = time.monotonic()
+        future = pool.submit(pool_tasks.fork_helper_then_die, str(tmp_path / "helper"))
+        assert isinstance(future.exception(timeout=30), WorkerDiedError)
+        assert time.monotonic() - started < 20
+        helper = int((tmp_path / "helper").read_text())
+        assert wait_until_gone([helper]) == []
+
+
+@pytest.mark.parametrize("new_session", [False, True], ids=["same-group", "own-session"])
+def test_what_a_task_starts_does_not_outlive_the_pool(two_gpus, tmp_path: Path,
+                                                      new_session: bool) -> None:
+    """In the worker's process group: killed with the worker. In a session of its own: kept
+    under the server (a subreaper) and killed at shutdown."""
+    pool = GPUPool(gpus=1, preload=())
+    path = str(tmp_path / "child")
+    child = pool.submit(pool_tasks.start_sleeper, path, new_session).result(timeout=30)
+    assert psutil.pid_exists(child)
+    if not new_session:
+        future = pool.submit(pool_tasks.fault, "SIGKILL")
+        assert isinstance(future.exception(timeout=30), WorkerDiedError)
+        assert wait_until_gone([child]) == []
+    pool.shutdown()
+    assert wait_until_gone([child]) == []
+
+
+FORK_RACE = """
+import os, sys, threading, time
+from gpuwarden.pool import GPUPool
+children = []
+stop = threading.Event()
+def forker():
+    # Children that live on and keep whatever descriptors the fork copied.
+    while not stop.is_set():
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(20)
+            os._exit(0)
+        children.append(pid)
+        time.sleep(0.002)
+threading.Thread(target=forker, daemon=True).start()
+for method in ("forkserver", "spawn") * 2:
+    start = time.monotonic()
+    with GPUPool(gpus=1, preload=(), start_method=method) as pool:
+        assert pool.submit(abs, -3).result(timeout=30) == 3
+    print(method, round(time.monotonic() - start, 2), flush=True)
+stop.set()
+for pid in children:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+"""
+
+
+def test_pools_start_and_stop_while_another_thread_forks(two_gpus, tmp_path: Path) -> None:
+    """No process is started from a thread that a concurrent fork() can hold up: pools come
+    and go, each in bounded time, while another thread forks children that live on."""
+    script = tmp_path / "race.py"
+    script.write_text(FORK_RACE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    times = [float(line.split()[1]) for line in done.stdout.splitlines()]
+    assert len(times) == 4 and max(times) < 15, done.stdout
+
+
+STEP_CHILD = """
+import json, os, sys, time
+import gpuwarden
+from gpuwarden.pool import GPUPool
+def gpu_seen():
+    time.sleep(0.3)
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+with GPUPool(preload=()) as pool:
+    seen = sorted({f.result(30) for f in [pool.submit(gpu_seen) for _ in range(2)]})
+    print(json.dumps({"gpus": [g.index for g in pool.gpus], "seen": seen}), flush=True)
+"""
+
+
+def test_a_child_of_a_pool_is_a_job_step_of_its_lease(two_gpus, tmp_path: Path) -> None:
+    from gpuwarden.errors import LeaseUnavailableError
+    from gpuwarden.lease import acquire
+
+    script = tmp_path / "child.py"
+    script.write_text(STEP_CHILD)
+    with GPUPool(preload=()) as parent:
+        assert len(parent.gpus) == 2
+        # A child started the ordinary way shares the parent's GPUs, without waiting.
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert '"gpus": [0, 1]' in out.stdout and '"seen": ["0", "1"]' in out.stdout
+        # Nothing else on the host can take them: a process that is not its descendant...
+        with pytest.raises(LeaseUnavailableError):
+            acquire(1)
+        # ...nor one that copied the variable without being its child.
+        stranger = subprocess.run(
+            [sys.executable, "-c", "from gpuwarden.lease import acquire\n"
+             "try:\n    acquire(1)\nexcept Exception as e:\n    print(type(e).__name__)"],
+            capture_output=True, text=True, timeout=60, start_new_session=True,
+            env={**os.environ, "GPUWARDEN_JOB_STEP": os.environ["GPUWARDEN_JOB_STEP"]})
+        assert stranger.stdout.strip() == "", stranger  # a child: allowed
+    # After the parent let them go, the inherited variable is a stale list of claims.
+    assert "GPUWARDEN_JOB_STEP" not in os.environ
+
+
+def test_a_forged_or_stale_step_variable_takes_no_gpu(two_gpus) -> None:
+    import json
+
+    from gpuwarden.lease import jobstep
+
+    pool = GPUPool(preload=())
+    variable = os.environ[jobstep.STEP_ENV]
+    allocation = json.loads(variable)["grants"][0]
+    fake_parent = dict(allocation, pid=os.getppid())  # an ancestor, but not the holder
+    forged = json.dumps({"v": 2, "grants": [fake_parent]})
+    assert jobstep.inherited({**os.environ, jobstep.STEP_ENV: forged}) == ()
+    pool.shutdown()
+    assert jobstep.inherited({**os.environ, jobstep.STEP_ENV: variable}) == ()
+
+
+REFUSED_CHILD = """
+from gpuwarden.pool import GPUPool
+try:
+    GPUPool(preload=())
+except Exception as exc:
+    print(exc.what)
+    print(exc.fix)
+"""
+
+
+def test_a_child_without_the_variable_is_told_its_ancestor_holds_the_gpus(
+        two_gpus, tmp_path: Path) -> None:
+    with GPUPool(preload=()):
+        env = {k: v for k, v in os.environ.items() if k != "GPUWARDEN_JOB_STEP"}
+        out = subprocess.run([sys.executable, "-c", REFUSED_CHILD], capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert f"held by this process's own ancestor: pid {os.getpid()}" in out.stdout, out
+    assert "did not pass its lease down" in out.stdout
+
+
+def test_thread_caps_hold_in_forked_workers_even_with_torch_preloaded(two_gpus,
+                                                                      monkeypatch) -> None:
+    """The fork server imported torch and numpy before any worker existed; each worker still
+    runs with its cap, read through torch and threadpoolctl. (A spawned worker gets the
+    variables before anything is imported: test_pool.py checks them.)"""
+    pytest.importorskip("torch")
+    pytest.importorskip("threadpoolctl")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    # More workers than cores: each gets one thread (cores // workers, at least 1).
+    workers = (os.cpu_count() or 1) + 1
+    with GPUPool(workers_per_gpu=None, max_workers=workers, preload=("torch", "numpy"),
+                 start_method="forkserver") as pool:
+        counts = [f.result(timeout=120) for f in
+                  [pool.submit(pool_tasks.thread_counts) for _ in range(workers)]]
+    for seen in counts:
+        assert seen["torch"] == 1 and seen["env"] == "1", seen
+        assert seen["pools"] and all(n == 1 for _api, n in seen["pools"]), seen
+
+
+def test_cancelled_futures_are_not_run(two_gpus, tmp_path: Path) -> None:
+    with GPUPool(gpus=1, preload=()) as pool:
+        blocker = pool.submit(time.sleep, 0.5)
+        later = [pool.submit(pool_tasks.write_pid_and_sleep, str(tmp_path / f"{i}"), 0)
+                 for i in range(5)]
+        assert all(f.cancel() for f in later)
+        blocker.result(timeout=30)
+    for f in later:
+        with pytest.raises(CancelledError):
+            f.result(timeout=0)
+    assert not list(tmp_path.glob("[0-9]"))
+    wait(later, timeout=0)

@@ -1,0 +1,370 @@
+"""The pool's state machine (pool/_core.py) driven by events, without processes: each fault at
+each position has its one outcome, and no sequence of events resolves a task twice or leaves
+one unresolved. The same faults with real processes are in test_pool_faults.py."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import Future
+
+import pytest
+
+from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot
+from gpuwarden.pool import _core
+from gpuwarden.pool._core import (
+    Core,
+    Fault,
+    KillServer,
+    KillWorker,
+    Resolve,
+    SendTask,
+    StartServer,
+    StartWorker,
+    StopWorker,
+    Task,
+    TaskState,
+    WorkerState,
+)
+from gpuwarden.pool.plan import plan_slots
+
+
+class Named(Exception):
+    def __init__(self, fault: Fault) -> None:
+        super().__init__(fault.kind)
+        self.kind = fault.kind
+        self.task_id = fault.task.id
+
+
+def gpu(i: int) -> GPUSnapshot:
+    return GPUSnapshot(index=i, uuid=f"GPU-{i}", name="sim", pci_bus_id=f"0:{i}",
+                       memory_total_bytes=1 << 30, memory_used_bytes=0, utilization_gpu_pct=0,
+                       compute_mode=ComputeMode.DEFAULT, mig_enabled=False)
+
+
+class Harness:
+    """A Core plus the bookkeeping a manager would do: pids, futures settled."""
+
+    def __init__(self, workers: int = 2, gpus: int = 2) -> None:
+        slots = plan_slots([gpu(i) for i in range(gpus)], -(-workers // gpus), cpu_workers=0,
+                           max_workers=workers)
+        self.core = Core(slots, make_error=Named, clock=lambda: 0.0)
+        self.settled: dict[int, list[str]] = {}
+        self.tasks: list[Task] = []
+        self.pids = iter(range(1000, 100000))
+        self.core.start()
+        self.take()
+
+    def take(self) -> list[object]:
+        actions, self.core.actions = self.core.actions, []
+        for action in actions:
+            if isinstance(action, Resolve):
+                future = action.task.future
+                if action.cancel:
+                    future.cancel()
+                elif action.failed:
+                    future.set_exception(action.value)  # raises if settled twice
+                else:
+                    future.set_result(action.value)
+                self.settled.setdefault(action.task.id, []).append(
+                    "cancelled" if action.cancel else
+                    getattr(action.value, "kind", "error") if action.failed else "result")
+        return actions
+
+    def start_all(self) -> None:
+        for w in list(self.core.workers.values()):
+            if w.state is WorkerState.STARTING:
+                if w.pid is None:
+                    self.core.on_forked(w.key, next(self.pids))
+                self.core.on_ready(w.key)
+        self.take()
+
+    def submit(self, n: int) -> list[Task]:
+        new = [Task(len(self.tasks) + i, Future(), b"x", f"t{len(self.tasks) + i}")
+               for i in range(n)]
+        self.tasks.extend(new)
+        for t in new:
+            self.core.submit(t)
+        self.take()
+        return new
+
+    def worker_of(self, task: Task) -> _core.Worker:
+        return self.core.workers[task.worker]  # type: ignore[index]
+
+
+def test_a_worker_killed_while_running_fails_that_task_and_requeues_the_pipelined_one() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    h.core.task_s = 0.001  # tiny tasks: a second one is pipelined behind the first
+    first, second, third = h.submit(3)
+    w = h.worker_of(first)
+    assert [t.id for t in w.inflight] == [first.id, second.id]
+    h.core.on_started(w.key, first.id)
+    h.core.on_exit(w.pid, -9)
+    actions = h.take()
+    assert h.settled == {first.id: ["died"]}
+    assert first.state is TaskState.FAILED and second.requeues == 1
+    # Back at the head of the queue, in order: the replacement, still starting, reserves it.
+    replacement = next(a.worker for a in actions if isinstance(a, StartWorker))
+    assert [t.id for t in replacement.inflight] == [second.id]
+    assert second.state is TaskState.RESERVED and [t.id for t in h.core.queue] == [third.id]
+    assert not any(isinstance(a, SendTask) and a.task is second for a in actions)
+    h.start_all()
+    new = h.worker_of(second)
+    assert second.future_running and second.state is TaskState.SENT  # not set running twice
+    h.core.on_started(new.key, second.id)
+    h.core.on_result(new.key, second.id, 2, failed=False)
+    h.take()
+    assert second.future.result() == 2
+
+
+def test_a_worker_killed_before_it_reads_its_task_requeues_it() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    (task,) = h.submit(1)
+    dead = h.worker_of(task)
+    h.core.on_exit(dead.pid, -9)
+    h.take()
+    # Requeued, not failed (it never started); reserved by the slot's replacement.
+    assert task.requeues == 1 and not h.settled
+    assert task.state is TaskState.RESERVED and task.worker != dead.key
+
+
+def test_a_worker_that_dies_while_starting_had_no_task_and_three_deaths_break_the_pool() -> None:
+    h = Harness(workers=1, gpus=1)
+    (task,) = h.submit(1)  # reserved by the worker still starting, never written to it
+    for death in range(_core.MAX_START_FAILURES):
+        (w,) = h.core.workers.values()
+        assert w.state is WorkerState.STARTING
+        h.core.on_forked(w.key, next(h.pids))
+        h.core.on_exit(w.pid, -9)
+        h.take()
+        if death < _core.MAX_START_FAILURES - 1:
+            assert not h.settled and task.state is TaskState.RESERVED
+    assert h.settled == {task.id: ["broken"]}
+    assert h.core.broken is not None and not h.core.workers
+
+
+def test_an_exit_after_the_result_fails_nothing() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    (task,) = h.submit(1)
+    w = h.worker_of(task)
+    h.core.on_started(w.key, task.id)
+    h.core.on_result(w.key, task.id, "ok", failed=False)
+    h.core.on_exit(w.pid, 0)
+    h.take()
+    assert h.settled == {task.id: ["result"]}
+
+
+def test_the_server_dying_fails_running_tasks_requeues_the_rest_and_starts_again() -> None:
+    h = Harness(workers=2, gpus=2)
+    h.core.clock = lambda: 100.0  # workers started long ago: no task waits for one
+    h.start_all()
+    a, b, c = h.submit(3)
+    h.core.on_started(h.worker_of(a).key, a.id)
+    h.core.on_server_exit(-9)
+    actions = h.take()
+    assert h.settled == {a.id: ["server_died"]}
+    assert b.requeues == 1 and TaskState.FAILED not in (b.state, c.state)
+    kinds = [type(x) for x in actions if not isinstance(x, Resolve)]
+    assert kinds[:3] == [StartServer, StartWorker, StartWorker]  # a new server first
+    for _ in range(_core.MAX_START_FAILURES - 1):
+        h.core.on_server_exit(-9)
+        h.take()
+    assert h.core.broken is not None
+    assert h.settled[b.id] == ["broken"] and h.settled[c.id] == ["broken"]
+
+
+def test_shutdown_with_cancel_cancels_the_queued_and_fails_a_requeued_one() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    first, second, third = h.submit(3)
+    w = h.worker_of(first)
+    h.core.on_exit(w.pid, -9)  # first was sent, not started: requeued (to the replacement)
+    h.take()
+    # A requeued task whose future is RUNNING cannot be cancelled: if it waits in the queue
+    # at shutdown(cancel_futures=True), it fails with a named error instead.
+    stuck = Task(99, Future(), b"x", "t99", future_running=True)
+    assert stuck.future.set_running_or_notify_cancel()
+    h.core.queue.append(stuck)
+    h.core.shutdown(cancel=True, kill=False, deadline=None)
+    h.take()
+    assert h.settled == {second.id: ["cancelled"], third.id: ["cancelled"],
+                         stuck.id: ["shutdown"]}
+    assert first.state is TaskState.RESERVED  # taken before the shutdown: it still runs
+
+
+def test_shutdown_runs_the_queue_then_stops_the_workers() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    a, b = h.submit(2)
+    h.core.shutdown(cancel=False, kill=False, deadline=None)
+    w = h.worker_of(a)
+    for t in (a, b):
+        h.core.on_started(w.key, t.id)
+        h.core.on_result(w.key, t.id, t.id, failed=False)
+    actions = h.take()
+    assert any(isinstance(x, StopWorker) for x in actions)
+    assert h.core.phase is _core.Phase.STOPPING and not h.core.done
+    h.core.on_exit(w.pid, 0)
+    h.take()
+    assert h.core.done and h.settled == {a.id: ["result"], b.id: ["result"]}
+
+
+def test_shutdown_deadline_fails_what_runs_and_a_stuck_stop_kills_the_server() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    a, b = h.submit(2)
+    h.core.on_started(h.worker_of(a).key, a.id)
+    h.core.shutdown(cancel=False, kill=False, deadline=5.0)
+    h.core.on_deadline()
+    actions = h.take()
+    assert h.settled[a.id] == ["deadline"]
+    assert h.settled[b.id] in (["cancelled"], ["deadline"])
+    assert any(isinstance(x, KillWorker) for x in actions)
+    h.core.on_stop_deadline()
+    h.core.on_stop_deadline()
+    assert any(isinstance(x, KillServer) for x in h.take())
+
+
+def test_kill_workers_fails_running_tasks_and_cancels_queued_ones() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    a, b = h.submit(2)
+    h.core.shutdown(cancel=False, kill=True, deadline=None)
+    h.take()
+    assert h.settled == {a.id: ["killed"], b.id: ["cancelled"]}
+
+
+def test_a_future_cancelled_by_its_owner_is_never_sent() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    task = Task(0, Future(), b"x", "t0")
+    task.future.cancel()
+    h.core.submit(task)
+    assert not any(isinstance(x, SendTask) for x in h.take())
+    assert task.state is TaskState.CANCELLED
+
+
+def test_resize_retires_a_busy_worker_after_its_task_and_grows_on_new_slots() -> None:
+    h = Harness(workers=2, gpus=2)
+    h.start_all()
+    a, b = h.submit(2)
+    busy = h.worker_of(b)
+    slots = plan_slots([gpu(0), gpu(1)], 1, cpu_workers=0, max_workers=1)
+    h.core.resize(slots)
+    assert busy.state is WorkerState.RETIRING
+    (c,) = h.submit(1)
+    assert c.worker != busy.key
+    h.core.on_started(busy.key, b.id)
+    h.core.on_result(busy.key, b.id, 1, failed=False)
+    assert any(isinstance(x, StopWorker) and x.worker is busy for x in h.take())
+    h.core.resize(plan_slots([gpu(0), gpu(1)], 2, cpu_workers=0, max_workers=3))
+    assert sum(isinstance(x, StartWorker) for x in h.take()) == 2
+
+
+def test_a_reservation_is_taken_back_for_an_idle_worker_after_the_hold() -> None:
+    now = [0.0]
+    h = Harness(workers=2, gpus=2)
+    h.core.clock = lambda: now[0]
+    (w0, w1) = sorted(h.core.workers.values(), key=lambda w: w.slot.index)
+    h.core.on_forked(w0.key, 1)
+    h.core.on_forked(w1.key, 2)
+    h.core.on_ready(w0.key)  # w1 stays starting (an initializer that hangs)
+    a, b = h.submit(2)
+    assert a.worker == w0.key and b.state is TaskState.RESERVED and b.worker == w1.key
+    h.core.on_started(w0.key, a.id)
+    h.core.on_result(w0.key, a.id, 1, failed=False)
+    h.take()
+    assert b.state is TaskState.RESERVED  # GPU 1 is the less loaded one: b waits for it
+    assert h.core.hold_deadline == _core.HOLD_FOR_STARTING_S
+    now[0] = h.core.hold_deadline
+    h.core.dispatch()
+    assert any(isinstance(x, SendTask) and x.task is b for x in h.take())
+    assert b.worker == w0.key and b.state is TaskState.SENT
+
+
+def test_a_starting_worker_retired_by_resize_gets_no_task_even_if_it_becomes_ready() -> None:
+    """Seen in joblib's suite: a resize killed a worker still starting, which then said
+    READY before the kill landed, took a task, and the task failed with its death."""
+    h = Harness(workers=2, gpus=2)
+    (w0, w1) = sorted(h.core.workers.values(), key=lambda w: w.slot.index)
+    h.core.on_forked(w0.key, 1)
+    h.core.on_forked(w1.key, 2)
+    h.core.on_ready(w0.key)
+    h.core.resize(plan_slots([gpu(0), gpu(1)], 1, cpu_workers=0, max_workers=1))
+    assert any(isinstance(x, KillWorker) and x.worker is w1 for x in h.take())
+    h.core.on_ready(w1.key)  # its READY was on its way when the kill was sent
+    tasks = h.submit(4)
+    assert all(t.worker in (None, w0.key) for t in tasks)
+    assert not w1.inflight
+
+
+def test_finish_leaves_nothing_unresolved() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    tasks = h.submit(4)
+    h.core.on_started(h.worker_of(tasks[0]).key, tasks[0].id)
+    h.core.finish()
+    h.take()
+    assert sorted(h.settled) == [t.id for t in tasks]
+    assert all(t.future.done() for t in tasks)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_faults_resolve_every_task_exactly_once(seed: int) -> None:
+    """Random interleavings of starts, results, deaths, server deaths, resizes and shutdown:
+    every future settles exactly once (a second set_* raises InvalidStateError), and once
+    the machine is finished nothing is pending."""
+    rng = random.Random(seed)
+    now = [0.0]
+    h = Harness(workers=rng.randint(1, 4), gpus=rng.randint(1, 2))
+    h.core.clock = lambda: now[0]
+    h.core.task_s = rng.choice([None, 0.001])
+    for _step in range(rng.randint(30, 120)):
+        now[0] += rng.choice([0.0, 0.5, 2.0])
+        if h.core.hold_deadline is not None and now[0] >= h.core.hold_deadline:
+            h.core.dispatch()
+        live = list(h.core.workers.values())
+        roll = rng.random()
+        if roll < 0.25:
+            h.submit(rng.randint(1, 3))
+        elif roll < 0.45 and live:
+            w = rng.choice(live)
+            if w.pid is None:
+                h.core.on_forked(w.key, next(h.pids))
+            elif w.state is WorkerState.STARTING:
+                h.core.on_ready(w.key)
+            elif w.inflight:
+                t = w.inflight[0]
+                if t.state is TaskState.SENT:
+                    h.core.on_started(w.key, t.id)
+                else:
+                    h.core.on_result(w.key, t.id, t.id, failed=rng.random() < 0.2)
+        elif roll < 0.55 and live:
+            w = rng.choice(live)
+            if w.pid is not None:
+                h.core.on_exit(w.pid, rng.choice([-9, -11, 3]))
+        elif roll < 0.57:
+            h.core.on_server_exit(-9)
+        elif roll < 0.60 and h.core.phase is _core.Phase.RUNNING:
+            n = rng.randint(1, 4)
+            h.core.resize(plan_slots([gpu(0), gpu(1)], -(-n // 2), cpu_workers=0,
+                                     max_workers=n))
+        elif roll < 0.62:
+            h.core.shutdown(cancel=rng.random() < 0.5, kill=rng.random() < 0.2,
+                            deadline=None)
+        elif roll < 0.63:
+            h.core.on_deadline()
+        for action in h.core.actions:
+            # A worker the pool decided to kill never gets a task (it would fail with it).
+            assert not (isinstance(action, SendTask) and action.worker.kill_requested), action
+        h.take()
+        for t in h.tasks:
+            assert len(h.settled.get(t.id, [])) <= 1, (t.id, h.settled[t.id])
+    h.core.finish()
+    h.take()
+    for t in h.tasks:
+        assert h.settled.get(t.id) and len(h.settled[t.id]) == 1, (t.id, t.state)
+        assert t.future.done()
+        assert t.state not in _core.LIVE_TASK
