@@ -157,7 +157,8 @@ class JobRound:
         """Offer ``rec`` as the round's first failure, without waiting for the answer (the
         supervisor's loop must not block); the agent's watch reports whichever record won."""
         try:
-            self.agent.send("cas", key=self.failure_key, expected="", desired=json.dumps(rec))
+            self.agent.forget(self.agent.send("cas", key=self.failure_key, expected="",
+                                              desired=json.dumps(rec)))
         except AgentError:
             pass  # the agent is gone: the others notice this node's silence
 

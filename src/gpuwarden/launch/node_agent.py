@@ -107,6 +107,7 @@ class NodeAgent:
         self._next_id = 0
         self.events: list[dict[str, Any]] = []  # unasked events not consumed yet
         self._replies: dict[int, dict[str, Any]] = {}
+        self._pending: set[int] = set()  # commands sent, not answered yet
         self.ready = False
         self.eof = False  # the agent's stdout closed: it exited
         self.import_s: float | None = None
@@ -187,6 +188,7 @@ class NodeAgent:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._died() from None
+        self._pending.add(self._next_id)
         return self._next_id
 
     def wait_reply(self, rid: int, timeout_s: float,
@@ -201,6 +203,7 @@ class NodeAgent:
                     on_event(event)
             if rid in self._replies:
                 reply = self._replies.pop(rid)
+                self._pending.discard(rid)
                 err = reply.get("error")
                 if isinstance(err, dict):
                     raise AgentError(str(err.get("kind", "Error")), str(err.get("message", "")),
@@ -214,6 +217,21 @@ class NodeAgent:
                                  f"{timeout_s:g} s")
             with contextlib.suppress(OSError, ValueError):
                 select.select([self.fileno()], [], [], min(left, 0.5))
+
+    @property
+    def busy(self) -> bool:
+        """A command the launcher waited for is still running in the agent (a join cut short
+        by Ctrl-C): the agent reads no other command until it ends."""
+        self._read()
+        for rid in list(self._pending):
+            if rid in self._replies:
+                self._pending.discard(rid)
+                self._replies.pop(rid)
+        return bool(self._pending)
+
+    def forget(self, rid: int) -> None:
+        """A command sent without waiting for its answer (fire and forget)."""
+        self._pending.discard(rid)
 
     def read_events_buffered(self) -> list[dict[str, Any]]:
         out, self.events = self.events, []
@@ -260,7 +278,10 @@ class NodeAgent:
     # ---- the end -----------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the agent: stdin closed (it exits), then SIGKILL after ``timeout_s``."""
+        """Stop the agent: stdin closed (it exits), then SIGKILL after ``timeout_s``; at once
+        when a command still runs in it (it would not read its stdin)."""
+        if self.busy:
+            self.proc.kill()
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()

@@ -332,6 +332,12 @@ def connect(agent: NodeAgent, config: LaunchConfig, pre: RendezvousPreflight, *,
             static_master_addr=None if config.dynamic else config.master_addr,
             timeout_s=config.rdzv_timeout_s + 60)
     except AgentError as exc:
+        if exc.inner == "ModuleNotFoundError" or "No module named" in exc.message:
+            raise RendezvousError(
+                f"a multi-node launch needs torch on every node: {exc.message}",
+                why="the node agent runs torch's own c10d rendezvous (the ranks need torch "
+                "anyway)", fix="install torch in this environment (pip install torch)",
+                code="USAGE") from None
         raise RendezvousError(
             f"{_who(config)} could not open the job's store at {config.master_addr}:"
             f"{config.master_port}: {exc.message}",

@@ -147,6 +147,18 @@ class _MultiNode:
         try:
             report, outcome = run_attempts(config, gpus, run_attempt, tuple(notes), err=self.err,
                                            settle=self.settle)
+        except KeyboardInterrupt:
+            # Ctrl-C while this node waited for the others: the rendezvous is closed, so the
+            # nodes that joined stop too instead of waiting out join_timeout.
+            self._finish(ok=False, wait_s=0.0)
+            from gpuwarden.errors import LaunchError
+
+            stopped = LaunchError("interrupted (SIGINT) while this node waited for the others",
+                                  why="no rank had started here; the nodes that joined drop "
+                                  "this one when its rendezvous heartbeat expires",
+                                  code="LAUNCH_INTERRUPTED")
+            stopped.exit_code = 130
+            raise stopped from None
         except BaseException:
             self._finish(ok=False, wait_s=0.0)
             raise
@@ -210,7 +222,9 @@ class _MultiNode:
                   "node", file=self.err, flush=True)
 
         try:
-            if self.agent.alive():
+            # A join cut short (Ctrl-C) still runs in the agent, which then reads no command:
+            # it is simply ended; torch drops this node once its heartbeat expires.
+            if self.agent.alive() and not self.agent.busy:
                 self.agent.call("done", wait_s=wait_s, timeout_s=wait_s + 60, on_event=on_event)
         except (AgentError, KeyboardInterrupt):
             pass
