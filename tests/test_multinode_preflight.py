@@ -387,13 +387,14 @@ def test_the_first_failure_and_the_decision_are_the_jobs(monkeypatch: pytest.Mon
                                     Round(rnd, int(node[-1]), 2, "h", 1, (), None))
             own = job_store.new_record(job_store.ECHO if is_echo else job_store.RANK,
                                        node=int(node[-1]), rank=local.rank or 0,
-                                       what=local.what, echo=is_echo)
+                                       what=local.what, echo=is_echo, code=local.code,
+                                       exc_type=local.exc_type, where=local.where)
             rec, gone = jr.first_failure(own, None)
             assert rec is not None and not gone
             prior = [job_store.failure_from_dict(d) for d in
                      json.loads(store.get("job", '{"history": []}'))["history"]]
             used = json.loads(store.get("job", '{"restarts_used": 0}'))["restarts_used"]
-            settled = jr.settle(rec, lambda f=local: f, policy, used, prior or history[node], 0)
+            settled = jr.settle(rec, lambda f=local: f, policy, used, prior or history[node])
             results.append((rnd, node, settled.failure.describe(), settled.decision.restart,
                             settled.decision.reason))
     assert [r[2] for r in results] == ["RANK_FAILED (rank 3: KeyError at /train.py:40)"] * 4

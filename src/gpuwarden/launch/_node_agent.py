@@ -27,16 +27,16 @@ Beside torch's own keys, under ``gpuwarden/<run id>/`` in the same store:
 - the keys the launcher reads and compare-sets through ``get``/``cas`` (the round's first
   failure and the job's decision: :mod:`gpuwarden.launch.job_store`).
 
-The workers meet on a store of their own: rank 0 hosts it, on a port its node picks for each
-round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, torch's own option for this), so that no key of
-a failed attempt can reach the next one.
+The workers meet on a store of their own (``TORCHELASTIC_USE_AGENT_STORE=True``, as under
+torchrun): the agent of the node that runs rank 0 hosts a fresh one for every round, so it is up
+before any rank starts and no key of a failed attempt can reach the next one (torch's own shared
+store lives across rounds: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` keeps it from starting).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -96,6 +96,8 @@ class Agent:
         self.watch: _RoundWatch | None = None
         self.max_nodes = 1
         self.join_timeout_s = 600.0
+        self.workers_store: Any = None  # this node runs rank 0: the round's workers' store
+        self.retired: list[Any] = []  # the last round's workers' store, kept through a join
 
     # ---- commands ---------------------------------------------------------------------------
 
@@ -172,6 +174,10 @@ class Agent:
         """torch's next_rendezvous, reported every WAIT_EVENT_EVERY_S while it waits; then
         this node's details for the round, and the workers' MASTER_ADDR/MASTER_PORT."""
         self.end_round()
+        # The last round's workers' store stays up through this join (a node may still be
+        # stopping its ranks); the ones before are closed now.
+        self.retired = [self.workers_store] if self.workers_store is not None else []
+        self.workers_store = None
         node = self.handler._this_node  # torch's participant descriptor (addr_pid_localid)
         self.store.set(job_key(self.run_id, f"host/{node!r}"), json.dumps(self.me))
         reporter = _JoinReporter(self)
@@ -184,19 +190,25 @@ class Agent:
         rnd = int(self.handler._state_holder.state.round)
         group_rank, world = int(info.rank), int(info.world_size)
         mine = {**self.me, "group_rank": group_rank}
-        if self.static_master is not None and self.me.get("node_rank") == 0:
-            mine["worker_port"] = _free_port()
+        # The node that runs rank 0 hosts the round's workers' store, up before any rank starts
+        # (ranks then connect at once, as torchrun's do to its agent's store), and fresh for each
+        # round (no key of a failed attempt reaches the next one, unlike torchrun's).
+        runs_rank0 = self.me.get("node_rank") == 0 if self.static_master is not None \
+            else group_rank == 0
+        if runs_rank0:
+            from torch.distributed import TCPStore
+
+            self.workers_store = TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False,
+                                          multi_tenant=False)
+            mine["worker_port"] = int(self.workers_store.port)
         self.store.set(round_key(self.run_id, rnd, f"node/{group_rank}"), json.dumps(mine))
         keys = [round_key(self.run_id, rnd, f"node/{g}") for g in range(world)]
         self.store.wait(keys, timedelta(seconds=JOIN_DETAILS_WAIT_S))
         nodes = [json.loads(v) for v in self.store.multi_get(keys)]
-        if self.static_master is not None:
-            zero = next((n for n in nodes if n.get("node_rank") == 0), None)
-            master_addr = self.static_master
-            master_port = int(zero["worker_port"]) if zero and zero.get("worker_port") else 0
-        else:
-            master_addr = info.bootstrap_store_info.master_addr
-            master_port = int(info.bootstrap_store_info.master_port)
+        zero = next((n for n in nodes if n.get("worker_port")), None)
+        master_port = int(zero["worker_port"]) if zero else 0
+        master_addr = self.static_master if self.static_master is not None \
+            else info.bootstrap_store_info.master_addr
         job = self.get("job", 0.0)
         self.round = {"round": rnd, "group_rank": group_rank, "group_world_size": world,
                       "nodes": nodes, "master_addr": master_addr, "master_port": master_port,
@@ -235,17 +247,11 @@ class Agent:
         agents close it too: a late node learns the job is over instead of waiting)."""
         last = self.round
         self.end_round()
-        if self.hosting and last is not None:
+        if (self.hosting or self.workers_store is not None) and last is not None:
             _wait_for_ended(self, int(last["round"]), int(last["group_world_size"]),
                             int(last["group_rank"]), wait_s)
         if self.handler is not None:
             self.handler.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 class _JoinReporter(threading.Thread):

@@ -14,11 +14,12 @@ keys of the round, in the store torch's rendezvous runs on (it lives as long as 
   node that went silent (its host or launcher died), and only then does its echo become the
   record. A node waiting to join (elastic membership) or a node lost is a record too. Every
   node's agent watches the key and every node stops its ranks when another's record appears.
-- ``r<round>/decision``: what the job does next, compare-set by the node that wrote the
-  record (it has the whole report: the failure code from ``explain``, the traceback). It
-  carries the failure in the words every node prints, the decision and its reason, and the
-  job's restart history; the others wait for it (bounded; when the writer is gone, any node
-  decides from the record, and compare-set still keeps one decision).
+- ``r<round>/decision``: what the job does next. The record carries everything the restart
+  policy reads (the failure code, from ``explain`` over the rank's own error; the rank; the
+  exception's type and innermost frame, or the signal), so every node decides from it alone,
+  with the same pure :func:`~gpuwarden.launch.restart.decide_restart`, without waiting for
+  another; compare-set keeps the first decision stored and every node follows it: the failure
+  in the words every node prints, the decision and its reason, and the job's restart history.
 - ``job``: the restarts used so far and their failures (for "same failure twice"), read by
   every node when it joins a round, so a node that joined late counts like the others.
 
@@ -38,13 +39,18 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.launch.node_agent import NODE_LOST_S, AgentError, NodeAgent, Round
-from gpuwarden.launch.restart import Decision, Failure, RestartPolicy, decide_restart
+from gpuwarden.launch.restart import (
+    EXCLUDE_GPU_CODES,
+    Decision,
+    Failure,
+    RestartPolicy,
+    decide_restart,
+)
 
 if TYPE_CHECKING:
     from gpuwarden.launch.report import LaunchReport
 
 ECHO_WAIT_S = 2.0  # a node whose ranks only echoed waits this long for a real cause first
-DECISION_WAIT_S = 15.0  # beyond --grace: the record's writer stops its ranks, then decides
 # Kinds of first-failure records
 RANK, STALL, INTERRUPT, ECHO = "rank", "stall", "interrupt", "echo"
 NODE_LOST, MEMBERSHIP, STORE_LOST = "node_lost", "membership", "store_lost"
@@ -132,10 +138,13 @@ def failure_of_record(rec: dict[str, Any]) -> Failure:
     if kind == INTERRUPT:
         return Failure("LAUNCH_INTERRUPTED", what=describe(rec))
     typed = _EXC_TYPE.match(what)
-    return Failure(str(rec.get("code") or ("RANK_STALL" if kind == STALL else "RANK_FAILED")),
-                   int(rec.get("rank", -1)), exc_type=typed.group(1) if typed else None,
-                   where=f"node {rec.get('node')}", signal=rec.get("signal"), what=what,
-                   echo=bool(rec.get("echo")))
+    rank = rec.get("rank")
+    return failure_from_dict({
+        "code": rec.get("code") or ("RANK_STALL" if kind == STALL else "RANK_FAILED"),
+        "rank": rank if isinstance(rank, int) and rank >= 0 else None,
+        "exc_type": rec.get("exc_type") or (typed.group(1) if typed else None),
+        "where": rec.get("where") or (f"node {rec.get('node')}" if typed else None),
+        "signal": rec.get("signal"), "what": what, "echo": bool(rec.get("echo"))})
 
 
 def job_history(rnd: Round) -> tuple[int, list[Failure]]:
@@ -200,14 +209,6 @@ class JobRound:
         value = self.agent.call("cas", key=key, expected="", desired=json.dumps(rec))["value"]
         return parse_record(value)
 
-    @staticmethod
-    def _failure(rec: dict[str, Any], local: Callable[[], Failure]) -> Failure:
-        """This node's own complete Failure when the record is its ranks' failure, else the
-        record's (a membership change, a lost node, another node's failure)."""
-        if is_mine(rec) and rec.get("kind") in (RANK, STALL, INTERRUPT, ECHO):
-            return local()
-        return failure_of_record(rec)
-
     def lost_record(self, event: dict[str, Any]) -> dict[str, Any]:
         g = int(event.get("group_rank", -1))
         node = self.round.node(g)
@@ -219,47 +220,48 @@ class JobRound:
         return rec
 
     def settle(self, rec: dict[str, Any] | None, local: Callable[[], Failure],
-               policy: RestartPolicy, restarts_used: int, history: list[Failure],
-               grace_s: float) -> Settled:
-        """The job's decision after this round's ``rec``: this node decides when it wrote the
-        record (``local()`` is its own, complete Failure), else it waits for the writer's
-        decision, and decides from the record when none comes. Compare-set keeps one."""
+               policy: RestartPolicy, restarts_used: int, history: list[Failure]) -> Settled:
+        """The job's decision after this round's first failure ``rec``. Every node decides
+        from the record alone (its code, rank, exception type and frame, or signal), so every
+        node reaches the same decision without waiting for another; compare-set keeps the
+        first one stored, which every node follows. ``local()`` (this node's own Failure)
+        serves only when nothing was recorded, and to name the GPU to exchange when the
+        record is this node's."""
         if rec is None:
             failure = local()
             decision = decide_restart(history, failure, policy)
             return Settled(None, decision, failure, restarts_used, history)
         stored: dict[str, Any] | None = None
         try:
-            if not is_mine(rec):
-                stored = self._get(self.decision_key, DECISION_WAIT_S + grace_s)
-            if stored is None:
-                failure = self._failure(rec, local)
-                decision = decide_restart(history, failure, policy)
-                used = restarts_used + (1 if decision.restart and decision.counts else 0)
-                hist = [*history, failure] if decision.restart and decision.counts else history
-                proposal = {"restart": decision.restart, "counts": decision.counts,
-                            "reason": decision.reason, "exclude_gpus": list(decision.exclude_gpus),
-                            "failure": failure_to_dict(failure), "restarts_used": used,
-                            "history": [failure_to_dict(f) for f in hist], "by": LAUNCHER_ID}
-                stored = self._cas(self.decision_key, proposal) or proposal
-                if stored.get("by") == LAUNCHER_ID and decision.restart:
-                    self.agent.call("set", key="job", value=json.dumps(
-                        {"restarts_used": used, "history": proposal["history"]}))
+            failure = failure_of_record(rec)
+            decision = decide_restart(history, failure, policy)
+            counted = decision.restart and decision.counts
+            used = restarts_used + (1 if counted else 0)
+            hist = [*history, failure] if counted else history
+            proposal = {"restart": decision.restart, "counts": decision.counts,
+                        "reason": decision.reason, "failure": failure_to_dict(failure),
+                        "restarts_used": used, "history": [failure_to_dict(f) for f in hist],
+                        "by": LAUNCHER_ID}
+            stored = self._cas(self.decision_key, proposal) or proposal
+            if stored.get("by") == LAUNCHER_ID and decision.restart:
+                self.agent.call("set", key="job", value=json.dumps(
+                    {"restarts_used": used, "history": proposal["history"]}))
         except AgentError:
-            failure = self._failure(rec, local)
             return Settled(rec, Decision(False, "the job's store is gone (its host, network "
                                          "or launcher died): no rendezvous to restart on, "
-                                         "not restarting"), failure, restarts_used, history,
-                           store_lost=True)
+                                         "not restarting"), failure_of_record(rec),
+                           restarts_used, history, store_lost=True)
         assert stored is not None
         raw_failure = stored.get("failure")
         failure = failure_from_dict(raw_failure if isinstance(raw_failure, dict)
                                     else {"code": "RANK_FAILED"})
-        mine = stored.get("by") == LAUNCHER_ID
-        exclude = stored.get("exclude_gpus")
-        decision = Decision(bool(stored.get("restart")), str(stored.get("reason", "")),
-                            tuple(str(u) for u in exclude) if mine and isinstance(exclude, list)
-                            else (), counts=bool(stored.get("counts", True)))
+        restart = bool(stored.get("restart"))
+        exclude: tuple[str, ...] = ()
+        if restart and is_mine(rec) and failure.code in EXCLUDE_GPU_CODES:
+            gpu = local().gpu  # this node's GPU failed: only this node can exchange it
+            exclude = (gpu,) if gpu else ()
+        decision = Decision(restart, str(stored.get("reason", "")), exclude,
+                            counts=bool(stored.get("counts", True)))
         raw_history = stored.get("history")
         hist = [failure_from_dict(d) for d in (raw_history if isinstance(raw_history, list) else [])
                 if isinstance(d, dict)]

@@ -110,6 +110,7 @@ class NodeAgent:
         self._pending: set[int] = set()  # commands sent, not answered yet
         self.ready = False
         self.eof = False  # the agent's stdout closed: it exited
+        self.done = False  # it answered ``done``: the job ended, its store no longer needed
         self.import_s: float | None = None
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
@@ -280,8 +281,8 @@ class NodeAgent:
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the agent: stdin closed (it exits), then SIGKILL after ``timeout_s``; at once
         when a command still runs in it (it would not read its stdin)."""
-        if self.busy:
-            self.proc.kill()
+        if self.busy or self.done:
+            self.proc.kill()  # done: nothing left to flush; its torch teardown is not waited for
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()

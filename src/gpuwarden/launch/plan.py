@@ -20,8 +20,9 @@ torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORL
 ``N*K``, ``GROUP_RANK`` is R, and each rank gets ``GPUWARDEN_PEERS_FILE``, where its bootstrap's
 store watch (:mod:`gpuwarden.launch._store_watch`) reports what it learns from the job's TCPStore.
 
-``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: there is no agent-hosted TCPStore (hosting one
-would need torch in the supervisor); rank 0 hosts the store, as with plain ``env://``.
+``TORCHELASTIC_USE_AGENT_STORE`` is ``False`` on one node: there is no agent-hosted TCPStore
+(hosting one would need torch in the supervisor); rank 0 hosts the store, as with plain
+``env://``. On several nodes the node agent of rank 0's node hosts it (``agent_store``).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def make_plan(
     log_run_dir: str | None = None,
     attempt: int = 0,
     restart_count: int | None = None,
+    agent_store: bool = False,
 ) -> LaunchPlan:
     """One RankSpec per rank. ``gpus`` empty: CPU ranks. Otherwise one GPU per rank, or, with
     ``config.share``, ranks spread round-robin over ``gpus``. ``log_run_dir``: torchrun's
@@ -163,7 +165,9 @@ def make_plan(
     ``attempt``: the restart count (--max-restarts), in TORCHELASTIC_RESTART_COUNT and the
     ``attempt_<k>`` directory of the log layout; ``restart_count``, when given, is the job's
     count for TORCHELASTIC_RESTART_COUNT instead (several nodes: a re-rendezvous for a node
-    that joined is an attempt of this node, not a restart of the job)."""
+    that joined is an attempt of this node, not a restart of the job). ``agent_store``: the
+    node agent of rank 0's node hosts the workers' store at MASTER_ADDR:MASTER_PORT (several
+    nodes), so every rank connects as a client (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
     local = rank_count(config, len(gpus))
     if gpus and len(gpus) < local and not config.share:
         raise ValueError(f"{local} ranks need {local} GPUs, {len(gpus)} given")  # preflight's job
@@ -185,7 +189,7 @@ def make_plan(
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals_to_handle),
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "GPUWARDEN_SUPERVISOR_PID": str(supervisor_pid),
         "GPUWARDEN_RUN_ID": run_id,

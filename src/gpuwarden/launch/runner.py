@@ -139,7 +139,8 @@ class _MultiNode:
                                    node_rank=rnd.group_rank, master_addr=rnd.master_addr,
                                    master_port=rnd.master_port)
             plan = _attempt_plan(round_config, attempt, gpus, run_id=self.run_id, work=work,
-                                 log_run_dir=log_run_dir, argv=argv, restart_count=restarts)
+                                 log_run_dir=log_run_dir, argv=argv, restart_count=restarts,
+                                 agent_store=True)
             for note in (*notes, *(plan.notes if attempt == 0 else ())):
                 print(f"gpuwarden: {note}", file=self.err)
             return _supervise(plan, stdout, stderr, self.err, job=self.job)
@@ -182,7 +183,7 @@ class _MultiNode:
         if gone:
             rec = rec or job_store.new_record(job_store.STORE_LOST, node=self.round.group_rank,
                                               what="the job's store went away")
-        settled = self.job.settle(rec, local, policy, restarts, history, self.config.grace_s)
+        settled = self.job.settle(rec, local, policy, restarts, history)
         self._end_round()
         if rec is not None and not job_store.is_mine(rec):
             outcome.job_failure = rec
@@ -226,6 +227,7 @@ class _MultiNode:
             # it is simply ended; torch drops this node once its heartbeat expires.
             if self.agent.alive() and not self.agent.busy:
                 self.agent.call("done", wait_s=wait_s, timeout_s=wait_s + 60, on_event=on_event)
+                self.agent.done = True
         except (AgentError, KeyboardInterrupt):
             pass
         del ok
@@ -233,7 +235,8 @@ class _MultiNode:
 
 def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, ...], *,
                   run_id: str, work: str, log_run_dir: str | None,
-                  argv: tuple[str, ...] | None, restart_count: int | None = None) -> LaunchPlan:
+                  argv: tuple[str, ...] | None, restart_count: int | None = None,
+                  agent_store: bool = False) -> LaunchPlan:
     """Attempt ``attempt``'s plan: its own port (a fresh rendezvous), files and log directory.
     Several nodes: ``config`` is the round's (its node rank, node count and workers' store)."""
     port = config.master_port if config.multinode or restart_count is not None \
@@ -242,7 +245,7 @@ def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, .
     plan = make_plan(config, gpus, master_port=port, run_id=run_id,
                      run_dir=_attempt_dir(work, attempt), supervisor_pid=os.getpid(),
                      python=sys.executable, base_env=os.environ, log_run_dir=log_run_dir,
-                     attempt=attempt, restart_count=restart_count)
+                     attempt=attempt, restart_count=restart_count, agent_store=agent_store)
     for spec in plan.ranks:
         # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
         # torchrun's agent creates attempt_<k>/<local rank>/ for every rank, so does this

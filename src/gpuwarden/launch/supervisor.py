@@ -266,13 +266,13 @@ class Supervisor:
         if self._interrupt is None:
             self._settle()
         self._stop_began = time.monotonic()
-        self._offer_failure()
         # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
         sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
                 ProcessContext.signal_group(r.pgid, sig)
+        self._offer_failure()  # after the signals: it may read the failure's text with explain
 
     def _settle(self) -> None:
         """Before the first signal: let a rank that is already ending finish ending. A process's
@@ -433,14 +433,18 @@ class Supervisor:
             return job_store.new_record(job_store.ECHO, node=node, echo=True,
                                         what="this node's ranks were stopped")
         echo, _when, rank, err, code = min(candidates, key=lambda c: (c[0], c[1], c[2]))
-        more: dict[str, Any] = {}
+        spec = self.plan.spec(rank)
+        tail = next((list(r.relay.stderr_tail) for r in self.ranks if r.spec.rank == rank), [])
+        fatal = _read_text(spec.files.fatal) if spec is not None else ""
+        more: dict[str, Any] = {"code": _failure_code(
+            "\n".join([str(err.get("traceback", "")), *tail, fatal]))}
         if err.get("type"):
             what = f"{err.get('type')}: {err.get('message')}"
-            more = {"exc_type": str(err["type"]),
-                    "where": innermost_frame(str(err.get("traceback", "")))}
+            more.update(exc_type=str(err["type"]),
+                        where=innermost_frame(str(err.get("traceback", ""))))
         elif code is not None and code < 0:
             what = f"killed by {describe_exit(code)}"
-            more = {"signal": signal_name(-code)}
+            more["signal"] = signal_name(-code)
         else:
             what = describe_exit(code)
         return job_store.new_record(job_store.ECHO if echo else job_store.RANK, node=node,
@@ -651,6 +655,18 @@ def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signal
     names = dict.fromkeys((*FORWARDED_SIGNALS, *signals_to_handle))
     # SIGCHLD is the supervisor's own wake-up (its ranks' deaths), never a message for them
     return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
+
+
+def _failure_code(text: str) -> str:
+    """The failure code the report gives this text (explain's primary code, else RANK_FAILED):
+    the record every node decides from carries it, so every node names the failure alike."""
+    try:
+        from gpuwarden.explain import explain_text
+
+        code = explain_text(text).primary.code
+    except Exception:  # a record must not fail because a diagnosis did
+        return "RANK_FAILED"
+    return "RANK_FAILED" if code == "NONE" else str(code)
 
 
 def fatal_dump_in(lines: list[str]) -> str:
