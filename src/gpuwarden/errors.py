@@ -68,6 +68,8 @@ GPUWARDEN_CODES = {
     "LAUNCH_INTERRUPTED": "gpuwarden launch was asked to stop (SIGINT/SIGTERM) and stopped every rank",
     "NODE_ABORTED": "another node of a multi-node job failed (or its rendezvous store went away), "
     "so this node stopped its ranks",
+    "NODE_LOST": "a node of a multi-node job went silent in the job's store (its host, network or "
+    "launcher died); the others stopped, and restart without it when --max-restarts allows",
 }
 
 EXIT_OK = 0

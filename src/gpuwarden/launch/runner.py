@@ -179,7 +179,11 @@ class _MultiNode:
             # ranks finished, changes nothing here).
             self._end_round()
             return None
-        rec, gone = self.job.first_failure(outcome.own_record, outcome.job_failure)
+        own = outcome.own_record or job_store.new_record(
+            job_store.ECHO, node=self.round.group_rank, echo=True,
+            what=f"this node's ranks were stopped ({outcome.stopped_for or 'no cause seen here'})")
+        # Only an echo here: the record of a real cause elsewhere, or of a lost node, wins.
+        rec, gone = self.job.first_failure(own, outcome.job_failure)
         if gone:
             rec = rec or job_store.new_record(job_store.STORE_LOST, node=self.round.group_rank,
                                               what="the job's store went away")
