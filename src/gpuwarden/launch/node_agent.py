@@ -110,7 +110,6 @@ class NodeAgent:
         self._pending: set[int] = set()  # commands sent, not answered yet
         self.ready = False
         self.eof = False  # the agent's stdout closed: it exited
-        self.done = False  # it answered ``done``: the job ended, its store no longer needed
         self.import_s: float | None = None
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
@@ -278,19 +277,16 @@ class NodeAgent:
 
     # ---- the end -----------------------------------------------------------------------------
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the agent: stdin closed (it exits), then SIGKILL after ``timeout_s``; at once
-        when a command still runs in it (it would not read its stdin)."""
-        if self.busy or self.done:
-            self.proc.kill()  # done: nothing left to flush; its torch teardown is not waited for
+    def close(self) -> None:
+        """End the agent at once. Whatever the job's store needed was done before (``done``:
+        the node that hosts it waited for the others); an agent still importing torch, or
+        still in a join cut short, would not read its stdin anyway."""
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
         if self.proc.stdout is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdout.close()

@@ -124,15 +124,16 @@ class _MultiNode:
         config = self.config
         self.hosting = connect(self.agent, config, self.pre, run_id=self.run_id,
                                local_world_size=self.local_world_size)
-        first_timeout = max(1.0, config.rdzv_timeout_s - self.pre.waited_s)
 
         def run_attempt(attempt: int, restarts: int, gpus: tuple[GPUSnapshot, ...],
                         notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
             from gpuwarden.launch.rendezvous import join_round
 
             previous = self.round.nodes if self.round is not None else ()
+            # As torch's: the join has its own join_timeout, whatever the wait for the
+            # endpoint to come up took (that wait had its own bound, and said what it waited for).
             rnd = join_round(self.agent, config, self.err, previous=previous,
-                             timeout_s=first_timeout if attempt == 0 else config.rdzv_timeout_s)
+                             timeout_s=config.rdzv_timeout_s)
             self.round, self.job = rnd, JobRound(self.agent, rnd)
             restarts, _history = job_history(rnd)
             round_config = replace(config, nnodes=rnd.group_world_size, min_nodes=None,
@@ -231,7 +232,6 @@ class _MultiNode:
             # it is simply ended; torch drops this node once its heartbeat expires.
             if self.agent.alive() and not self.agent.busy:
                 self.agent.call("done", wait_s=wait_s, timeout_s=wait_s + 60, on_event=on_event)
-                self.agent.done = True
         except (AgentError, KeyboardInterrupt):
             pass
         del ok

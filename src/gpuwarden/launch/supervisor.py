@@ -356,43 +356,17 @@ class Supervisor:
             self.job.publish(self._own_record)
 
     def _agent_events(self) -> None:
-        """What the node agent saw in the job's store (this round's events only)."""
+        """What the node agent saw in the job's store: another node's first failure, a node
+        lost, nodes waiting to join, the store gone: each stops this node's ranks."""
         assert self.job is not None
-        from gpuwarden.launch import job_store
-
-        events = self.job.agent.read_events()
         if self.job.agent.eof:
-            # The agent died (it never does on its own): the job's store is out of reach.
             with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(self.job.agent.fileno())
-            events.append({"event": "store_lost", "round": self.job.round.round,
-                           "message": "the node agent exited"})
-        for event in events:
-            if event.get("round") != self.job.round.round:
-                continue  # a late word about an earlier round
-            kind = event.get("event")
-            stop_for = None
-            if kind == "failure":
-                rec = job_store.parse_record(event.get("record"))
-                if rec is None:
-                    continue
+                self._sel.unregister(self.job.agent.fileno())  # the agent exited
+        for stop_for, rec in self.job.poll():
+            if rec is not None:
                 self._job_failure = self._job_failure or rec
-                if rec.get("kind") == job_store.MEMBERSHIP:
-                    stop_for = "membership"  # whoever wrote it: every node re-rendezvous
-                elif not job_store.is_mine(rec):
-                    stop_for = "abort"
-            elif kind == "node_lost":
-                self.job.publish(self.job.lost_record(event))
-                stop_for = "abort"
-            elif kind == "membership":
-                self.job.publish(job_store.new_record(
-                    job_store.MEMBERSHIP, node=self.plan.node_rank,
-                    what=f"{event.get('waiting')} node(s) waiting to join the job"))
-                stop_for = "membership"
-            elif kind == "store_lost":
-                stop_for = "store_lost"
-                if self.peers is not None and self.peers.store_lost is None:
-                    self.peers.store_lost = f"the job's store: {event.get('message')}"
+            if stop_for == "store_lost" and self.peers is not None and self.peers.store_lost is None:
+                self.peers.store_lost = "the job's store went away"
             if stop_for is not None and self._stop_began is None:
                 self._stopped_for = stop_for
                 self._begin_stop()
@@ -400,55 +374,19 @@ class Supervisor:
     def _local_record(self) -> dict[str, Any]:
         """This node's first failure as a record for the job's store (job_store.py)."""
         from gpuwarden.launch import job_store
-        from gpuwarden.launch.report import ECHO_TEXT
-        from gpuwarden.launch.restart import innermost_frame
-        from gpuwarden.procs import describe_exit, signal_name
 
-        node = self.plan.node_rank
-        if self._interrupt is not None:
-            return job_store.new_record(job_store.INTERRUPT, node=node,
-                                        what=f"gpuwarden received {self._interrupt}")
-        if self._stall is not None:
-            stall = self._stall
-            return job_store.new_record(
-                job_store.STALL, node=node, rank=stall.waiting[0] if stall.waiting else -1,
-                what=f"rank(s) {', '.join(map(str, stall.waiting))} waited in {stall.point} for "
-                f"more than {self.config.stall_timeout_s:g} s",
-                code="RDZV_WORKERS_MISSING" if stall.kind == "init" else "RANK_STALL")
-        # The first rank to fail of its own accord; an echo only when every failure is one.
-        candidates = []
+        failed = []
         for r in self.ranks:
-            failed = r.spec.rank in self._failing or (
-                r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher)
-            if not failed:
-                continue
-            err = _read_json(r.spec.files.error) or {}
-            code = r.exit.returncode if r.exit is not None else None
-            text = " ".join([str(err.get("message", "")), *list(r.relay.stderr_tail)[-5:]])
-            echo = (code is None or code > 0 or bool(err)) and bool(ECHO_TEXT.search(text))
-            when = float(err["monotonic"]) if isinstance(err.get("monotonic"), (int, float)) \
-                else (r.exit.ended_at if r.exit is not None else time.monotonic())
-            candidates.append((echo, when, r.spec.rank, err, code))
-        if not candidates:
-            return job_store.new_record(job_store.ECHO, node=node, echo=True,
-                                        what="this node's ranks were stopped")
-        echo, _when, rank, err, code = min(candidates, key=lambda c: (c[0], c[1], c[2]))
-        spec = self.plan.spec(rank)
-        tail = next((list(r.relay.stderr_tail) for r in self.ranks if r.spec.rank == rank), [])
-        fatal = _read_text(spec.files.fatal) if spec is not None else ""
-        more: dict[str, Any] = {"code": _failure_code(
-            "\n".join([str(err.get("traceback", "")), *tail, fatal]))}
-        if err.get("type"):
-            what = f"{err.get('type')}: {err.get('message')}"
-            more.update(exc_type=str(err["type"]),
-                        where=innermost_frame(str(err.get("traceback", ""))))
-        elif code is not None and code < 0:
-            what = f"killed by {describe_exit(code)}"
-            more["signal"] = signal_name(-code)
-        else:
-            what = describe_exit(code)
-        return job_store.new_record(job_store.ECHO if echo else job_store.RANK, node=node,
-                                    rank=rank, what=what.strip()[:300], echo=echo, **more)
+            if r.spec.rank in self._failing or (
+                    r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher):
+                failed.append(job_store.RankFailure(
+                    r.spec.rank, _read_json(r.spec.files.error) or {},
+                    r.exit.returncode if r.exit is not None else None,
+                    list(r.relay.stderr_tail), _read_text(r.spec.files.fatal),
+                    r.exit.ended_at if r.exit is not None else time.monotonic()))
+        return job_store.local_record(self.plan.node_rank, failed, interrupt=self._interrupt,
+                                      stall=self._stall,
+                                      stall_timeout_s=self.config.stall_timeout_s)
 
     def _reap_exited(self) -> None:
         for r in self.ranks:
@@ -655,18 +593,6 @@ def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signal
     names = dict.fromkeys((*FORWARDED_SIGNALS, *signals_to_handle))
     # SIGCHLD is the supervisor's own wake-up (its ranks' deaths), never a message for them
     return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
-
-
-def _failure_code(text: str) -> str:
-    """The failure code the report gives this text (explain's primary code, else RANK_FAILED):
-    the record every node decides from carries it, so every node names the failure alike."""
-    try:
-        from gpuwarden.explain import explain_text
-
-        code = explain_text(text).primary.code
-    except Exception:  # a record must not fail because a diagnosis did
-        return "RANK_FAILED"
-    return "RANK_FAILED" if code == "NONE" else str(code)
 
 
 def fatal_dump_in(lines: list[str]) -> str:
