@@ -1,6 +1,6 @@
-"""Three named network-namespace hosts on a bridge: torchrun's c10d line on three nodes started
-in any order, elastic membership (``--nnodes 1:2``: alone, a late node, a node lost), Slurm's
-srun recipe, and waits that are bounded and name the missing host."""
+"""Three named network-namespace hosts on a bridge: Slurm's srun recipe (torchrun's c10d line)
+on three nodes started in any order, elastic membership (``--nnodes 1:2``: alone, a late node,
+a node lost), and waits that are bounded and name the missing host."""
 
 from __future__ import annotations
 
@@ -34,15 +34,20 @@ def hosts() -> Iterator[Hosts]:
         remove_hosts(h)
 
 
-def test_torchruns_c10d_line_on_three_nodes_started_in_any_order(hosts: Hosts) -> None:
-    """The endpoint's host last, 5 s after the first: node ranks come from torch's rendezvous
-    (by host name here), every rank gets the sum of all three."""
+def test_slurms_srun_recipe_on_three_nodes_started_in_any_order(hosts: Hosts) -> None:
+    """torchrun's c10d line as Slurm's recipe has it (--nnodes=$SLURM_NNODES, Slurm's
+    variables set as srun sets them), the endpoint's host last, 5 s after the first: node ranks
+    come from torch's rendezvous (by host name here), every rank gets the sum of all three."""
     port = 29661
-    procs = {2: start(hosts, 2, c10d_line(hosts, port, nnodes="3"))}
+
+    def node(n: int) -> subprocess.Popen[str]:
+        return start(hosts, n, _srun_recipe(hosts, port, 3), env=_slurm_env(hosts, n, 3))
+
+    procs = {2: node(2)}
     time.sleep(2.5)
-    procs[1] = start(hosts, 1, c10d_line(hosts, port, nnodes="3"))
+    procs[1] = node(1)
     time.sleep(2.5)
-    procs[0] = start(hosts, 0, c10d_line(hosts, port, nnodes="3"))
+    procs[0] = node(0)
     results = finish([procs[0], procs[1], procs[2]])
     for code, text, _ in results:
         assert code == 0, text
@@ -123,32 +128,19 @@ def _srun_recipe(h: Hosts, port: int, nnodes: int, *extra: str) -> list[str]:
             f"--rdzv-endpoint={h.hostnames[0]}:{port}", *extra]
 
 
-def test_slurms_srun_recipe_runs_unchanged(hosts: Hosts) -> None:
-    port = 29681
-    results = finish([start(hosts, n, _srun_recipe(hosts, port, 2), env=_slurm_env(hosts, n, 2))
-                      for n in (0, 1)])
-    for code, text, _ in results:
-        assert code == 0, text
-    assert sorted(re.findall(r"rank (\d)/2 on (\d): all_reduce=(\S+)",
-                             results[0][1] + results[1][1])) == [("0", "0", "3"), ("1", "1", "3")]
-    no_leftovers(hosts)
-
-
 def test_a_node_of_the_allocation_that_never_joins_is_named_by_its_host(hosts: Hosts) -> None:
-    """Slurm's node list says who should come: the wait, bounded by join_timeout, names the
-    host that did not (here the third node of a three-node allocation)."""
+    """Slurm's node list says who should come: the wait of the endpoint's node, bounded by
+    join_timeout, names the host that did not (the second node of a two-node allocation)."""
     port = 29691
     begin = time.monotonic()
-    results = finish([start(hosts, n, _srun_recipe(hosts, port, 3, "--rdzv-conf",
-                                                   "join_timeout=8"),
-                            env=_slurm_env(hosts, n, 3)) for n in (0, 1)])
-    missing = hosts.hostnames[2]
-    for code, text, end in results:
-        assert code == 1, text
-        assert "error[RDZV_WORKERS_MISSING]" in text, text
-        assert f"2 of 3 node(s) joined ({hosts.hostnames[0]}, {hosts.hostnames[1]}); " \
-            f"missing: {missing}" in text, text
-        assert end - begin < 8 + 12  # the agent's torch import, then join_timeout
+    [(code, text, end)] = finish([start(hosts, 0, _srun_recipe(hosts, port, 2, "--rdzv-conf",
+                                                               "join_timeout=4"),
+                                        env=_slurm_env(hosts, 0, 2))])
+    assert code == 1, text
+    assert f"error[RDZV_WORKERS_MISSING]: the rendezvous at {hosts.hostnames[0]}:{port} did " \
+        f"not complete within 4 s (join_timeout): 1 of 2 node(s) joined ({hosts.hostnames[0]}); " \
+        f"missing: {hosts.hostnames[1]}" in text, text
+    assert end - begin < 4 + 30  # the agent's torch import (seconds on a loaded host), then join_timeout
     no_leftovers(hosts)
 
 
@@ -161,5 +153,5 @@ def test_the_endpoints_host_that_never_comes_is_named_within_the_join_timeout(
     assert code == 1, text
     assert "error[RDZV_CONN_REFUSED]" in text, text
     assert f"missing: the store's host {hosts.hostnames[0]}" in text
-    assert end - begin < 3 + 8
+    assert end - begin < 3 + 30  # probing, not the agent, bounds it; a loaded host is slow
     no_leftovers(hosts)

@@ -100,17 +100,28 @@ def test_static_two_nodes_two_ranks_each(hosts: Hosts) -> None:
     no_leftovers(hosts)
 
 
-def test_torchruns_c10d_line_on_both_nodes_started_5s_apart_store_host_last(hosts: Hosts) -> None:
-    """The line every node runs unchanged (no --node-rank), the node that is not the
-    endpoint's host first: it says it waits for the store, then joins when it comes up."""
+def test_torchruns_c10d_line_started_5s_apart_on_a_store_host_whose_name_is_loopback(
+        hosts: Hosts) -> None:
+    """The line every node runs unchanged (no --node-rank), the node that is not the endpoint's
+    host first, 5 s before it: it says it waits for the store, then joins. The endpoint's host
+    has Debian's /etc/hosts (its own name on 127.0.1.1) while the other node resolves the name
+    to the network: torchrun runs this; gpuwarden too, naming the address it advertises
+    instead and pinning Gloo to its interface."""
     port = next(_port)
-    late = start(hosts, 1, c10d_line(hosts, port))
-    time.sleep(5)
-    results = finish([start(hosts, 0, c10d_line(hosts, port)), late])
-    for code, text, _ in results:
-        assert code == 0, text
-    assert sums(results[0][1] + results[1][1]) == [("0", "3"), ("1", "3")]
-    assert "refused the connection" in results[1][1]  # said as it waited, then joined
+    name0, name1 = hosts.hostnames
+    hosts.write_hosts(0, [f"127.0.1.1 {name0}", f"{hosts.addrs[1]} {name1}"])
+    try:
+        late = start(hosts, 1, c10d_line(hosts, port))
+        time.sleep(5)
+        results = finish([start(hosts, 0, c10d_line(hosts, port)), late])
+    finally:
+        hosts.write_hosts(0, [f"{hosts.addrs[0]} {name0}", f"{hosts.addrs[1]} {name1}"])
+    (code0, text0, _), (code1, text1, _) = results
+    assert code0 == 0 and code1 == 0, (text0, text1)
+    assert sums(text0 + text1) == [("0", "3"), ("1", "3")]
+    assert "refused the connection" in text1  # said as it waited, then joined
+    assert f"advertises {hosts.addrs[0]} ({hosts.ifaces[0]})" in text0, text0
+    assert f"GLOO_SOCKET_IFNAME={hosts.ifaces[0]}" in text0, text0
     no_leftovers(hosts)
 
 
@@ -152,26 +163,6 @@ def test_a_node_that_never_comes_is_named_within_the_join_timeout(hosts: Hosts) 
             f"complete within") in text, text
     assert f"1 of 2 node(s) joined (node 0 ({hosts.hostnames[0]})); missing: node 1" in text
     assert "rendezvous at" in text.split("error[")[0]  # said while it waited (after 2 s)
-    assert end - begin < timeout_s + 10  # torch's import in the agent, then the bound
+    assert end - begin < timeout_s + 30  # torch's import in the agent (slow on a loaded host), then the bound
     assert "[rank" not in text
-    no_leftovers(hosts)
-
-
-def test_an_endpoint_whose_name_is_loopback_on_its_own_host(hosts: Hosts) -> None:
-    """Debian's /etc/hosts: the store's host maps its own name to 127.0.1.1, the other node
-    resolves it to the network. torchrun runs this; so does gpuwarden, saying which address
-    it advertises instead and pinning Gloo to that interface."""
-    port = next(_port)
-    name0, name1 = hosts.hostnames
-    hosts.write_hosts(0, [f"127.0.1.1 {name0}", f"{hosts.addrs[1]} {name1}"])
-    try:
-        results = finish([start(hosts, 0, c10d_line(hosts, port)),
-                          start(hosts, 1, c10d_line(hosts, port))])
-    finally:
-        hosts.write_hosts(0, [f"{hosts.addrs[0]} {name0}", f"{hosts.addrs[1]} {name1}"])
-    (code0, text0, _), (code1, text1, _) = results
-    assert code0 == 0 and code1 == 0, (text0, text1)
-    assert sums(text0 + text1) == [("0", "3"), ("1", "3")]
-    assert f"advertises {hosts.addrs[0]} ({hosts.ifaces[0]})" in text0, text0
-    assert f"GLOO_SOCKET_IFNAME={hosts.ifaces[0]}" in text0, text0
     no_leftovers(hosts)
