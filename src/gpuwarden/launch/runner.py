@@ -155,9 +155,10 @@ class _MultiNode:
             self._finish(ok=False, wait_s=0.0)
             from gpuwarden.errors import LaunchError
 
-            stopped = LaunchError("interrupted (SIGINT) while this node waited for the others",
-                                  why="no rank had started here; the nodes that joined drop "
-                                  "this one when its rendezvous heartbeat expires",
+            stopped = LaunchError("interrupted (SIGINT) while no rank ran here (waiting for "
+                                  "the other nodes, or between attempts)",
+                                  why="the other nodes see this one leave: the rendezvous is "
+                                  "closed, or torch drops it when its heartbeat expires",
                                   code="LAUNCH_INTERRUPTED")
             stopped.exit_code = 130
             raise stopped from None
