@@ -477,10 +477,17 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    agent = None
+    if config.multinode:
+        # Several nodes: torch's rendezvous runs in the node agent, whose torch import is the
+        # longest step before the ranks start; it begins now, before the launcher's own imports.
+        from gpuwarden.launch.node_agent import NodeAgent
+
+        agent = NodeAgent.start()
     from gpuwarden.cli import inventory_of
     from gpuwarden.launch.runner import launch
 
-    config = config_from_args(args)
     notes = []
     if args.node_rank is not None and config.dynamic:
         notes.append(f"--node-rank {args.node_rank} is ignored with --rdzv-backend c10d: torch's "
@@ -493,7 +500,13 @@ def run(args: argparse.Namespace) -> int:
                      "torchelastic events")
     for note in notes:
         print(f"gpuwarden: {note}", file=sys.stderr)
-    report, _outcome = launch(config, inventory=inventory_of(args))
+    try:
+        inventory = inventory_of(args)
+    except BaseException:
+        if agent is not None:
+            agent.close()  # launch() ends it from here on
+        raise
+    report, _outcome = launch(config, inventory=inventory, agent=agent)
     if not report.ok or not args.quiet:
         from gpuwarden.findings import emit
 

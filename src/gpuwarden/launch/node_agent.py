@@ -115,13 +115,17 @@ class NodeAgent:
         os.set_blocking(proc.stdout.fileno(), False)
 
     @classmethod
-    def start(cls, work_dir: str, env: dict[str, str] | None = None) -> NodeAgent:
-        stderr_path = os.path.join(work_dir, "node-agent.stderr")
+    def start(cls, env: dict[str, str] | None = None) -> NodeAgent:
+        """Start the agent now (its torch import takes 1-2 s: start it before anything else).
+        Its stderr (torch's own log lines) goes to a private file, removed by :meth:`close`."""
+        import tempfile
+
+        fd, stderr_path = tempfile.mkstemp(prefix="gpuwarden-node-agent-", suffix=".stderr")
         child_env = dict(env if env is not None else os.environ)
         child_env["GPUWARDEN_SUPERVISOR_PID"] = str(os.getpid())
         # The agent imports torch for its rendezvous and nothing else: no GPU is its business.
         child_env["CUDA_VISIBLE_DEVICES"] = ""
-        with open(stderr_path, "wb") as errf:
+        with os.fdopen(fd, "wb") as errf:
             # Its own session: a Ctrl-C is the launcher's to handle (it tells the agent). It
             # arms PDEATHSIG itself, first thing, and exits if the launcher is already gone.
             proc = subprocess.Popen(
@@ -287,6 +291,8 @@ class NodeAgent:
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.stderr_path)
         if self.proc.stdout is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdout.close()

@@ -40,25 +40,25 @@ if TYPE_CHECKING:
 
 def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
            argv: tuple[str, ...] | None = None,
-           run_dir: str | None = None, inventory: Inventory | None = None
-           ) -> tuple[LaunchReport, RunOutcome]:
+           run_dir: str | None = None, inventory: Inventory | None = None,
+           agent: NodeAgent | None = None) -> tuple[LaunchReport, RunOutcome]:
     """Run ``config`` to the end and return its report (printed by the caller) and outcome.
 
     Raises before any rank starts: UsageError (exit 2), NoGPUError (3), ConstraintError with
     every GPU's verdict (4), PortInUseError (RDZV_PORT_IN_USE) for a busy --master-port;
     several nodes: RendezvousError (the preflight's codes, RDZV_WORKERS_MISSING when the other
-    nodes do not join within the join timeout, naming them).
+    nodes do not join within the join timeout, naming them). ``agent``: the node agent when
+    the caller started it already (the CLI does, before importing this module); launch ends it.
     """
     err = stderr or sys.stderr
     own_dir = run_dir is None
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
-    agent: NodeAgent | None = None
     taken = None
     try:
         pre = None
         if config.multinode:
             # First thing: the agent's torch import overlaps the preflight and the GPU lease.
-            agent = NodeAgent.start(work)
+            agent = agent or NodeAgent.start()
             from gpuwarden.launch.rendezvous import check_rendezvous
 
             # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
