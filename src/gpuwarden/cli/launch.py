@@ -477,14 +477,14 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpuwarden.launch import node_agent
+
     config = config_from_args(args)
     agent = None
     if config.multinode:
         # Several nodes: torch's rendezvous runs in the node agent, whose torch import is the
-        # longest step before the ranks start; it begins now, before the launcher's own imports.
-        from gpuwarden.launch.node_agent import NodeAgent
-
-        agent = NodeAgent.start()
+        # longest step before the ranks start; `gpuwarden launch` started it before parsing.
+        agent = node_agent.take_early() or node_agent.NodeAgent.start()
     from gpuwarden.cli import inventory_of
     from gpuwarden.launch.runner import launch
 

@@ -4,8 +4,8 @@ Every node of a multi-node job runs its own launcher, and each sees its own rank
 that raised on node 1, and on node 0 the echoes of it (gloo's ``Connection closed by peer``, a
 watchdog timeout). Deciding per node lets the nodes disagree: node 0 restarts on the echo while
 node 1 ends on "the same failure twice", and each names another cause. Here nothing is decided
-per node. Through the node agent (:mod:`gpuwarden.launch.node_agent`) every launcher uses two
-keys of the round, in the store torch's rendezvous runs on (it lives as long as the job):
+per node. Through the node agent (:mod:`gpuwarden.launch.node_agent`) every launcher uses these
+keys, in the store torch's rendezvous runs on (it lives as long as the job):
 
 - ``r<round>/failure``: the round's **first failure**, compare-set, so the first writer wins.
   A node writes it as soon as one of its ranks fails of its own accord (an exception, a
