@@ -441,3 +441,61 @@ def test_a_two_node_rehearsal_on_one_machine(tmp_path: Path) -> None:
             "(a rehearsal)" in text
     assert sorted(re.findall(r"rank (\d)/2 on (\d): all_reduce=(\S+)", "".join(texts))) == [
         ("0", "0", "3"), ("1", "1", "3")]
+
+
+def _probes(hostname: str, hosts: dict[str, tuple[str, ...]], interfaces: dict[str, tuple[str, ...]],
+            *, port_free: bool = True):  # type: ignore[no-untyped-def]
+    from gpuwarden import net
+    from gpuwarden.doctor.probes import Probes
+
+    def resolve(name: str) -> net.Resolution:
+        return net.Resolution(name, hosts.get(name, (name,) if name[0].isdigit() else ()),
+                              None if name in hosts or name[0].isdigit() else "unknown", 0.0)
+
+    def connect(host: str, addresses: tuple[str, ...], port: int) -> net.ProbeResult:
+        return net.ProbeResult(host, port, net.ProbeStatus.OK, "connected", 0.0)
+
+    return Probes(resolve=resolve, interfaces=lambda: interfaces, hostname=lambda: hostname,
+                  port_is_free=lambda port: port_free, connect_tcp=connect,
+                  source_address_for=lambda a: None if a.startswith("127.") else "10.0.0.4")
+
+
+def _c10d_config(endpoint: str, **kw):  # type: ignore[no-untyped-def]
+    from gpuwarden.launch.config import LaunchConfig
+
+    return LaunchConfig(SCRIPT, nnodes=2, node_rank=None, rdzv_backend="c10d",
+                        master_addr=endpoint, master_port=29400, **kw)
+
+
+def test_an_endpoint_named_by_this_host_on_127_0_1_1_advertises_a_routable_address() -> None:
+    """Debian's /etc/hosts on the store's host: its own name on 127.0.1.1. torchrun runs this;
+    the preflight hosts the store here and advertises the interface address, named."""
+    import io
+
+    from gpuwarden.launch.rendezvous import check_rendezvous
+
+    ifaces = {"lo": ("127.0.0.1",), "eth0": ("10.0.0.4",)}
+    err = io.StringIO()
+    pre = check_rendezvous(_c10d_config("node0"), {}, err=err,
+                           probes=_probes("node0", {"node0": ("127.0.1.1",)}, ifaces))
+    assert (pre.hosting, pre.local_addr, pre.env) == (True, "10.0.0.4",
+                                                      {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert "advertises 10.0.0.4 (eth0) to the other nodes" in err.getvalue()
+    # the same name from another host: it resolves to the network there, nothing to choose
+    assert check_rendezvous(_c10d_config("node0", local_addr="10.0.0.9"), {}, err=io.StringIO(),
+                            probes=_probes("node0", {"node0": ("127.0.1.1",)}, ifaces)
+                            ).local_addr == "10.0.0.9"  # --local-addr wins
+
+
+def test_a_loopback_endpoint_is_a_rehearsal_and_a_taken_port_joins_as_client() -> None:
+    import io
+
+    from gpuwarden.launch.rendezvous import check_rendezvous
+
+    ifaces = {"lo": ("127.0.0.1",), "eth0": ("10.0.0.4",)}
+    err = io.StringIO()
+    pre = check_rendezvous(_c10d_config("127.0.0.1"), {}, err=err,
+                           probes=_probes("box", {"box": ("10.0.0.4",)}, ifaces, port_free=False))
+    assert "every node of this job must run on this host (a rehearsal)" in err.getvalue()
+    assert "joins the store there as a client" in err.getvalue()
+    assert (pre.hosting, pre.local_addr) == (False, "127.0.0.1")

@@ -216,11 +216,8 @@ def _routable(interfaces: dict[str, tuple[str, ...]]) -> list[str]:
 
 
 def _is_own_name(addr: str, hostname: str) -> bool:
+    """Whether ``addr`` names this host (its name, short or not; no resolver call: it may hang)."""
     names = {hostname.lower(), hostname.split(".")[0].lower()}
-    try:
-        names.add(socket.getfqdn(hostname).lower())
-    except OSError:
-        pass
     return addr.lower() in names or addr.split(".")[0].lower() in names
 
 
