@@ -225,6 +225,8 @@ def contract(args: argparse.Namespace) -> list[tuple[str, list[float | None], li
                  ("rank killed -> restarted first step (--max-restarts 1)",
                   lambda t, p: restarted_first_step(t, h, p, args.cap))]
         for name, measure in cases:
+            if args.only and args.only not in name:
+                continue
             got: dict[str, list[float | None]] = {"gpuwarden": [], "torchrun": []}
             for _ in range(args.repeat):
                 for tool in ("gpuwarden", "torchrun"):
@@ -262,6 +264,8 @@ def main() -> int:
     parser.add_argument("--cap", type=float, default=60.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--part", choices=("contract", "stalls", "all"), default="all")
+    parser.add_argument("--only", default="", metavar="WORDS",
+                        help="contract: only the cases whose name contains WORDS")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:

@@ -126,10 +126,6 @@ class LaunchConfig:
         """Node ranks assigned on arrival by torch's c10d rendezvous (no --node-rank)."""
         return self.multinode and self.node_rank is None
 
-    def rdzv_conf_int(self, key: str) -> int | None:
-        value = dict(self.rdzv_conf).get(key)
-        return None if value is None else int(value)
-
     @property
     def explicit_gpu_count(self) -> int | None:
         return self.gpus if isinstance(self.gpus, int) else None
