@@ -4,7 +4,9 @@ Two hosts are joined by one veth pair; three or more hang off a bridge that live
 namespace. Addresses come from 198.18.0.0/15 (RFC 2544's benchmarking range) and no namespace
 has a default route, so nothing can leave. Every name carries a per-run tag: parallel or
 leftover runs never collide. ``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts`` over
-``/etc/hosts``, which is how each host gets its own name resolution.
+``/etc/hosts``, which is how each host gets its own name resolution. With ``named=True`` each
+host also gets its own host name (a UTS namespace per command, ``n<i>-<tag>``), and every
+host's /etc/hosts knows every host's name, as on a cluster: waits and reports name hosts.
 """
 
 from __future__ import annotations
@@ -54,9 +56,13 @@ class Hosts:
     addrs: list[str]  # its address
     ifaces: list[str]  # its interface name
     extra: list[str] = field(default_factory=list)  # the bridge namespace
+    hostnames: list[str] = field(default_factory=list)  # own host names (named=True)
 
     def cmd(self, host: int, argv: Sequence[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[host], *argv]
+        if not self.hostnames:
+            return ["ip", "netns", "exec", self.names[host], *argv]
+        return ["ip", "netns", "exec", self.names[host], "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.hostnames[host], *argv]
 
     def write_hosts(self, host: int, lines: Sequence[str]) -> None:
         d = f"/etc/netns/{self.names[host]}"
@@ -78,7 +84,7 @@ class Hosts:
         return out
 
 
-def make_hosts(count: int) -> Hosts:
+def make_hosts(count: int, *, named: bool = False) -> Hosts:
     tag = uuid.uuid4().hex[:6]
     names = [f"gwt{tag}-{i}" for i in range(count)]
     ifaces = [f"gw{tag}e{i}" for i in range(count)]  # <= 15 characters
@@ -107,6 +113,10 @@ def make_hosts(count: int) -> Hosts:
             _ip("-n", ns, "addr", "add", f"{hosts.addrs[i]}/24", "dev", ifaces[i])
             _ip("-n", ns, "link", "set", ifaces[i], "up")
         _wait_visible(hosts)
+        if named:
+            hosts.hostnames = [f"n{i}-{tag}" for i in range(count)]
+            for i in range(count):
+                hosts.write_hosts(i, [f"{hosts.addrs[j]} {hosts.hostnames[j]}" for j in range(count)])
     except BaseException:
         remove_hosts(hosts)
         raise
@@ -142,8 +152,8 @@ def remove_hosts(hosts: Hosts) -> None:
 
 
 @contextlib.contextmanager
-def hosts_of(count: int) -> Iterator[Hosts]:
-    hosts = make_hosts(count)
+def hosts_of(count: int, *, named: bool = False) -> Iterator[Hosts]:
+    hosts = make_hosts(count, named=named)
     try:
         yield hosts
     finally:

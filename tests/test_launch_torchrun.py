@@ -105,11 +105,15 @@ def test_rendezvous_flags_map_onto_the_jobs_store() -> None:
     assert standalone.master_port is None and standalone.rdzv_id is None  # torchrun ignores them
     two = config("--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.4:29400", "--nnodes", "2",
                  "--node-rank", "1", BEHAVE)
-    assert (two.master_addr, two.master_port, two.nnodes, two.node_rank) == ("10.0.0.4", 29400, 2, 1)
+    # torch's c10d rendezvous assigns node ranks on arrival; torchrun ignores --node-rank too
+    assert (two.master_addr, two.master_port, two.nnodes, two.node_rank) == (
+        "10.0.0.4", 29400, 2, None)
+    assert two.dynamic and not two.elastic
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2"], "needs --node-rank"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2", "--rdzv-conf",
+      "store_type=file"], "only the TCP store reaches other nodes"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "supports static and c10d"),
     (["--nnodes", "1:4"], "elastic membership"),
     (["--logs-specs", "mine"], "custom torchrun LogsSpecs"),

@@ -1,11 +1,15 @@
-"""Multi-node preflight, Slurm settings and rank numbering: no torch in any process here.
+"""Multi-node preflight, Slurm settings, rank numbering, the command lines torchrun users paste,
+and the job's one-decision protocol: little or no torch here.
 
 Network cases run real launchers inside network-namespace hosts (root + iproute2; nftables for
-the firewall); the Slurm and numbering cases are pure.
+the firewall): each stops in its preflight, before the node agent joins (its torch import runs
+beside and is cut short). The rest is pure, and the job-store protocol runs two launchers' sides
+against one in-memory store.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,8 +95,10 @@ def test_node_0_not_started_is_refused_and_retried_until_window(hosts: Hosts) ->
     code, text, elapsed = _run(hosts, 1, _launch_argv(1, hosts.addrs[0], 29518, "--rdzv-timeout",
                                                       "2s"))
     assert code == 1
-    assert "refused the connection (rank 0 not started yet, or a wrong port); retrying" in text
-    assert "error[RDZV_CONN_REFUSED]" in text and "node 0 was not started" in text
+    assert "refused the connection (the store's node not up yet, or a wrong port); retrying" \
+        in text
+    assert "error[RDZV_CONN_REFUSED]" in text and "node 0 with --node-rank) was not started" \
+        in text
 
 
 @needs_netns
@@ -116,8 +122,13 @@ def test_hostname_on_loopback_warns_in_doctor_and_preflight(hosts: Hosts) -> Non
 def test_node_0_must_own_master_addr(hosts: Hosts) -> None:
     code, text, _ = _run(hosts, 0, _launch_argv(0, hosts.addrs[2], 29520))
     assert code == 1 and "this is node 0, but MASTER_ADDR 198.18.0.3" in text
-    code, text, _ = _run(hosts, 1, _launch_argv(1, hosts.addrs[1], 29520))
-    assert code == 1 and "this is node 1, but MASTER_ADDR 198.18.0.2 is this host's own" in text
+    # Another node on node 0's own address: two nodes on one host (a rehearsal) or a swapped
+    # --node-rank (which node 0's host then refuses): said, then node 0 is waited for.
+    code, text, _ = _run(hosts, 1, _launch_argv(1, hosts.addrs[1], 29520, "--rdzv-timeout",
+                                                 "1s"))
+    assert code == 1 and "MASTER_ADDR 198.18.0.2 is this host's own address: node 0 must run " \
+        "on this host too" in text
+    assert "error[RDZV_CONN_REFUSED]" in text
 
 
 @needs_netns
@@ -216,12 +227,20 @@ def test_slurm_master_is_the_same_for_the_launcher_and_detect_world() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--nnodes", "2", "--master-addr", "10.0.0.1"], "needs --master-port"),
-    (["--nnodes", "2", "--master-port", "29500"], "needs --master-addr"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "0"], "needs --master-port"),
+    (["--nnodes", "2", "--master-port", "29500", "--node-rank", "0"], "needs --master-addr"),
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"],
      "--node-rank 2 is not in 0..1"),
-    (["--nnodes", "1:4"], "elastic membership"),
+    (["--nnodes", "2", "--master-addr", "h", "--master-port", "1"],
+     "only torch's c10d rendezvous assigns node ranks"),
+    (["--nnodes", "1:4"], "elastic membership needs torch's dynamic rendezvous"),
+    (["--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h"], "MIN is more than MAX"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
     (["--nnodes", "0"], "at least one node"),
+    (["--nnodes", "a:b"], "not a number or MIN:MAX"),
+    (["--rdzv-conf", "last_call_timeout=1.5"], "not a whole number of seconds"),
+    (["--rdzv-conf", "is_host=maybe"], "not a boolean"),
+    (["--rdzv-conf", "join_timeout"], "is not KEY=VALUE"),
 ])
 def test_multinode_flags_are_validated(argv: list[str], message: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,3 +249,253 @@ def test_multinode_flags_are_validated(argv: list[str], message: str,
             monkeypatch.delenv(k)
     with pytest.raises(UsageError, match=message):
         _config(["--cpu", *argv])
+
+
+# ---- the command lines multi-node users paste (pure) --------------------------------------------
+
+TORCHRUN_C10D = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-id=job1", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=node0:29400"]
+
+
+def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
+
+
+def test_torchruns_c10d_line_needs_no_node_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_slurm(monkeypatch)
+    c = _config(["--cpu", *TORCHRUN_C10D])
+    assert (c.nnodes, c.fewest_nodes, c.node_rank, c.rdzv_id) == (2, 2, None, "job1")
+    assert (c.master_addr, c.master_port, c.rdzv_backend) == ("node0", 29400, "c10d")
+    assert c.dynamic and not c.elastic
+    elastic = _config(["--cpu", "--nnodes=1:4", *TORCHRUN_C10D[1:], "--rdzv-conf",
+                       "join_timeout=30,last_call_timeout=1,is_host=true"])
+    assert (elastic.fewest_nodes, elastic.nnodes, elastic.elastic) == (1, 4, True)
+    assert elastic.rdzv_timeout_s == 30  # join_timeout is --rdzv-timeout
+    assert dict(elastic.rdzv_conf) == {"last_call_timeout": "1", "is_host": "true"}
+    one = _config(["--cpu", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"])
+    assert (one.nnodes, one.master_port) == (1, None)  # torchrun's single-node idiom: any port
+
+
+def test_slurms_srun_recipe_takes_the_hosts_and_no_node_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=2 --rdzv-backend=c10d
+    --rdzv-endpoint=$head:29500`: torch's rendezvous numbers the nodes; Slurm's node list names
+    the hosts a wait misses."""
+    _no_slurm(monkeypatch)
+    for k, v in SRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    c = _config(["--cpu", "--nnodes=4", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=gpu07:29500"])
+    assert (c.nnodes, c.node_rank, c.master_addr, c.master_port) == (4, None, "gpu07", 29500)
+    assert c.expected_hosts == ("gpu07", "gpu08", "gpu09", "gpu12")
+
+
+def test_slurm_node_id_is_read_beside_nnodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug: with --nnodes given, SLURM_NODEID was never read and every node was node 0."""
+    _no_slurm(monkeypatch)
+    for k, v in SRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    c = _config(["--cpu", "--nnodes", "4", "--master-addr", "gpu07", "--master-port", "29500"])
+    assert (c.node_rank, c.source) == (2, "slurm")
+    assert _config(["--cpu", "--nnodes", "4", "--node-rank", "3", "--master-addr", "gpu07",
+                    "--master-port", "29500"]).node_rank == 3  # a flag given wins
+
+
+def test_a_given_topology_inside_a_batch_script_ignores_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_slurm(monkeypatch)
+    for k, v in SRUN_ENV.items():
+        if not k.startswith("SLURM_STEP"):
+            monkeypatch.setenv(k, v)  # the batch script: no step
+    c = _config(["--cpu", *TORCHRUN_C10D])  # nothing left for Slurm to say: no refusal
+    assert c.nnodes == 2 and c.dynamic
+    with pytest.raises(UsageError, match="runs in the batch script itself"):
+        _config(["--cpu"])
+
+
+def test_waits_name_the_missing_nodes() -> None:
+    from gpuwarden.launch.config import LaunchConfig
+    from gpuwarden.launch.node_agent import NodeInfo
+    from gpuwarden.launch.rendezvous import missing_nodes
+
+    static = LaunchConfig(SCRIPT, nnodes=3, node_rank=0, master_addr="h", master_port=1,
+                          expected_hosts=("a", "b", "c"))
+    assert missing_nodes(static, [{"host": "a", "node_rank": 0}]) == ["node 1 (b)", "node 2 (c)"]
+    dynamic = LaunchConfig(SCRIPT, nnodes=3, node_rank=None, rdzv_backend="c10d",
+                           master_addr="h", master_port=1)
+    slurm = LaunchConfig(SCRIPT, nnodes=3, node_rank=None, rdzv_backend="c10d", master_addr="h",
+                         master_port=1, expected_hosts=("gpu07", "gpu08.cluster", "gpu09"))
+    joined = [{"host": "gpu07.cluster"}, {"host": "gpu09"}]
+    assert missing_nodes(slurm, joined) == ["gpu08.cluster"]
+    previous = (NodeInfo(0, "gpu07.cluster", "", None, 1), NodeInfo(1, "gpu11", "", None, 1))
+    assert missing_nodes(dynamic, joined, previous) == ["gpu11"]  # lost since the last round
+    assert missing_nodes(dynamic, joined) == []  # nothing says who: only the count is known
+
+
+# ---- one decision for the job (job_store.py), two launchers' sides on one store ---------------
+
+
+class _FakeAgent:
+    """The node agent's store commands over a dict: what two launchers share through it."""
+
+    def __init__(self, store: dict[str, str]) -> None:
+        self.store = store
+
+    def call(self, op: str, timeout_s: float = 0, on_event=None, **kw):  # type: ignore[no-untyped-def]
+        key = kw.get("key", "")
+        if op == "get":
+            return {"value": self.store.get(key)}
+        if op == "cas":
+            if key not in self.store or self.store[key] == kw["expected"]:
+                self.store[key] = kw["desired"]
+            return {"value": self.store[key]}
+        if op == "set":
+            self.store[key] = kw["value"]
+            return {}
+        raise AssertionError(op)
+
+    def send(self, op: str, **kw):  # type: ignore[no-untyped-def]
+        self.call(op, **kw)
+        return 0
+
+    def forget(self, rid: int) -> None:
+        pass
+
+
+def test_the_first_failure_and_the_decision_are_the_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1's rank raised a KeyError; node 0's rank only saw the echo. Both settle to node
+    1's failure and node 1's decision, twice in a row ("same failure twice"), whatever each
+    would have decided alone."""
+    from gpuwarden.launch import job_store
+    from gpuwarden.launch.node_agent import Round
+    from gpuwarden.launch.restart import Failure, RestartPolicy
+
+    store: dict[str, str] = {}
+    policy = RestartPolicy(3)
+    keyerror = Failure("RANK_FAILED", 3, "KeyError", "/train.py:40", what="KeyError: 'lr'")
+    echo = Failure("RANK_FAILED", 0, "RuntimeError", "/gloo.py:1", echo=True,
+                   what="RuntimeError: Connection closed by peer")
+    ids = iter(["node1-launcher", "node0-launcher"] * 2)
+    results = []
+    for rnd in (0, 1):
+        history: dict[str, list[Failure]] = {"node1": [], "node0": []}
+        job = json.loads(store["gpuwarden-job"]) if "gpuwarden-job" in store else None
+        del job
+        for node, local, is_echo in (("node1", keyerror, False), ("node0", echo, True)):
+            monkeypatch.setattr(job_store, "LAUNCHER_ID", next(ids))
+            jr = job_store.JobRound(_FakeAgent(store),  # type: ignore[arg-type]
+                                    Round(rnd, int(node[-1]), 2, "h", 1, (), None))
+            own = job_store.new_record(job_store.ECHO if is_echo else job_store.RANK,
+                                       node=int(node[-1]), rank=local.rank or 0,
+                                       what=local.what, echo=is_echo, code=local.code,
+                                       exc_type=local.exc_type, where=local.where)
+            rec, gone = jr.first_failure(own, None)
+            assert rec is not None and not gone
+            prior = [job_store.failure_from_dict(d) for d in
+                     json.loads(store.get("job", '{"history": []}'))["history"]]
+            used = json.loads(store.get("job", '{"restarts_used": 0}'))["restarts_used"]
+            settled = jr.settle(rec, lambda f=local: f, policy, used, prior or history[node])
+            results.append((rnd, node, settled.failure.describe(), settled.decision.restart,
+                            settled.decision.reason))
+    assert [r[2] for r in results] == ["RANK_FAILED (rank 3: KeyError at /train.py:40)"] * 4
+    assert [r[3] for r in results] == [True, True, False, False]
+    assert results[-1][4] == results[-2][4] == "same failure twice, not restarting"
+
+
+def test_records_from_other_nodes_are_escaped_and_typed() -> None:
+    from gpuwarden.launch import job_store
+    from gpuwarden.launch.restart import RestartPolicy, decide_restart
+
+    f = job_store.failure_from_dict({"code": "RANK_FAILED\x1b[31m", "rank": "3",
+                                     "what": "boom\u202e"})
+    assert "\x1b" not in f.describe() and f.rank is None
+    lost = job_store.failure_of_record({"kind": "node_lost", "node": 1, "host": "gpu08",
+                                        "what": "went silent"})
+    assert lost.describe() == "NODE_LOST (node 1 (gpu08): went silent)"
+    assert decide_restart([], lost, RestartPolicy(1)).restart
+    joined = job_store.failure_of_record({"kind": "membership", "node": 0, "what": "1 waiting"})
+    decision = decide_restart([lost], joined, RestartPolicy(1))
+    assert decision.restart and not decision.counts  # no restart used, even with none left
+    gone = job_store.failure_of_record({"kind": "store_lost", "node": 0, "what": "gone"})
+    assert not decide_restart([], gone, RestartPolicy(5)).restart
+
+
+@pytest.mark.timeout(120)
+def test_a_two_node_rehearsal_on_one_machine(tmp_path: Path) -> None:
+    """`--nnodes 2 --master-addr 127.0.0.1`, both launchers on this machine (torchrun allows
+    it): said to be a rehearsal, not refused, and the job runs. No root needed."""
+    import re
+
+    from gpuwarden.net import pick_free_port
+
+    script = str(Path(__file__).parent / "launch_scripts" / "mn_allreduce.py")
+    port = pick_free_port()
+    procs = [subprocess.Popen([GPUWARDEN, "launch", "--nnodes", "2", "--node-rank", str(n),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "-n",
+                               "1", "--cpu", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (1, 0)]
+    texts = [p.communicate(timeout=100)[0] for p in procs]
+    for p, text in zip(procs, texts, strict=True):
+        assert p.returncode == 0, text
+        assert "is loopback (127.0.0.1): every node of this job must run on this host " \
+            "(a rehearsal)" in text
+    assert sorted(re.findall(r"rank (\d)/2 on (\d): all_reduce=(\S+)", "".join(texts))) == [
+        ("0", "0", "3"), ("1", "1", "3")]
+
+
+def _probes(hostname: str, hosts: dict[str, tuple[str, ...]], interfaces: dict[str, tuple[str, ...]],
+            *, port_free: bool = True):  # type: ignore[no-untyped-def]
+    from gpuwarden import net
+    from gpuwarden.doctor.probes import Probes
+
+    def resolve(name: str) -> net.Resolution:
+        return net.Resolution(name, hosts.get(name, (name,) if name[0].isdigit() else ()),
+                              None if name in hosts or name[0].isdigit() else "unknown", 0.0)
+
+    def connect(host: str, addresses: tuple[str, ...], port: int) -> net.ProbeResult:
+        return net.ProbeResult(host, port, net.ProbeStatus.OK, "connected", 0.0)
+
+    return Probes(resolve=resolve, interfaces=lambda: interfaces, hostname=lambda: hostname,
+                  port_is_free=lambda port: port_free, connect_tcp=connect,
+                  source_address_for=lambda a: None if a.startswith("127.") else "10.0.0.4")
+
+
+def _c10d_config(endpoint: str, **kw):  # type: ignore[no-untyped-def]
+    from gpuwarden.launch.config import LaunchConfig
+
+    return LaunchConfig(SCRIPT, nnodes=2, node_rank=None, rdzv_backend="c10d",
+                        master_addr=endpoint, master_port=29400, **kw)
+
+
+def test_an_endpoint_named_by_this_host_on_127_0_1_1_advertises_a_routable_address() -> None:
+    """Debian's /etc/hosts on the store's host: its own name on 127.0.1.1. torchrun runs this;
+    the preflight hosts the store here and advertises the interface address, named."""
+    import io
+
+    from gpuwarden.launch.rendezvous import check_rendezvous
+
+    ifaces = {"lo": ("127.0.0.1",), "eth0": ("10.0.0.4",)}
+    err = io.StringIO()
+    pre = check_rendezvous(_c10d_config("node0"), {}, err=err,
+                           probes=_probes("node0", {"node0": ("127.0.1.1",)}, ifaces))
+    assert (pre.hosting, pre.local_addr, pre.env) == (True, "10.0.0.4",
+                                                      {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert "advertises 10.0.0.4 (eth0) to the other nodes" in err.getvalue()
+    # the same name from another host: it resolves to the network there, nothing to choose
+    assert check_rendezvous(_c10d_config("node0", local_addr="10.0.0.9"), {}, err=io.StringIO(),
+                            probes=_probes("node0", {"node0": ("127.0.1.1",)}, ifaces)
+                            ).local_addr == "10.0.0.9"  # --local-addr wins
+
+
+def test_a_loopback_endpoint_is_a_rehearsal_and_a_taken_port_joins_as_client() -> None:
+    import io
+
+    from gpuwarden.launch.rendezvous import check_rendezvous
+
+    ifaces = {"lo": ("127.0.0.1",), "eth0": ("10.0.0.4",)}
+    err = io.StringIO()
+    pre = check_rendezvous(_c10d_config("127.0.0.1"), {}, err=err,
+                           probes=_probes("box", {"box": ("10.0.0.4",)}, ifaces, port_free=False))
+    assert "every node of this job must run on this host (a rehearsal)" in err.getvalue()
+    assert "joins the store there as a client" in err.getvalue()
+    assert (pre.hosting, pre.local_addr) == (False, "127.0.0.1")

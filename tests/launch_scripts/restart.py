@@ -3,6 +3,7 @@
 kill_once:       the last rank SIGKILLs itself after init_process_group on attempt 0; then all finish.
 raise_rank0:     rank 0 (the store's host) raises after an all_reduce on attempt 0; then all finish.
 raise_last:      the last rank (on the last node) does the same.
+kill_always:     the last rank SIGKILLs itself after init_process_group on every attempt.
 keyerror:        the last rank raises the same KeyError at the same line on every attempt, after init.
 ecc_once:        no torch (a simulated GPU host): rank 1 prints a Xid and a CUDA ECC error and
                  dies on attempt 0; every rank then prints the GPU it was given.
@@ -38,6 +39,8 @@ else:
     total = torch.ones(1)
 dist.all_reduce(total)
 if attempt == 0 and mode == "kill_once" and rank == dist.get_world_size() - 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "kill_always" and rank == dist.get_world_size() - 1:
     os.kill(os.getpid(), signal.SIGKILL)
 if attempt == 0 and mode == "raise_rank0" and rank == 0:
     raise RuntimeError("lost the batch")

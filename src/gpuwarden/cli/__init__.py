@@ -51,6 +51,19 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
     ``inventory``: the GPUs every command reads (default: NVML, or the host GPUWARDEN_SIMULATE
     names), so a test or a program embedding the CLI can hand it a host.
     """
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["launch"]:  # several nodes: the node agent's torch import starts first
+        from gpuwarden.launch import node_agent
+
+        node_agent.start_early(words)
+    try:
+        return _main(argv, inventory)
+    finally:
+        if words[:1] == ["launch"]:
+            node_agent.discard_early()
+
+
+def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -80,7 +80,8 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
         "reported with their stacks after --stall-timeout. Exit code: the failing rank's "
         "(128+N for signal N); 1 for a stall; 2 usage; 3 no GPU; 4 too few GPUs. Multi-node: "
         "once per node with --nnodes N --node-rank R --master-addr HOST --master-port P "
-        "(or --rdzv-endpoint HOST:PORT), or inside Slurm as `srun --ntasks-per-node=1 "
+        "(static), or the same line everywhere with --rdzv-backend c10d --rdzv-endpoint "
+        "HOST:PORT [--nnodes MIN:MAX], or inside Slurm as `srun --ntasks-per-node=1 "
         "gpuwarden launch SCRIPT`. Every torchrun flag is accepted, also from PET_* variables; "
         "docs/launch.md says what each does here.",
     )
@@ -141,12 +142,15 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    "once in any case)")
 
     g = p.add_argument_group("rendezvous (multi-node)")
-    g.add_argument("--nnodes", default=None, metavar="N",
+    g.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                    help="nodes in the job, each running gpuwarden launch (default 1, or Slurm's "
-                   "SLURM_NNODES inside an srun step); torchrun's N:N form is accepted")
+                   "SLURM_NNODES inside an srun step); MIN:MAX (with --rdzv-backend c10d): "
+                   "start once MIN nodes joined, take up to MAX, re-rendezvous when one joins "
+                   "or is lost, as torchrun's elastic membership")
     g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
-                   metavar="R", help="this node's index, 0..N-1; node 0 runs rank 0 and hosts "
-                   "the store (default 0, or SLURM_NODEID)")
+                   metavar="R", help="static rendezvous: this node's index, 0..N-1; node 0 runs "
+                   "rank 0 and hosts the job's store (default 0, or SLURM_NODEID); ignored with "
+                   "--rdzv-backend c10d, which assigns node ranks on arrival")
     g.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
                    metavar="HOST", help="node 0's address, the same on every node (--nnodes > 1; "
                    "default localhost on one node)")
@@ -154,26 +158,30 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    metavar="PORT", help="rendezvous port (default: a free one; with --nnodes "
                    "required, the same on every node); a busy one fails at once")
     g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
-                   metavar="static|c10d", help="static (default) or c10d: both run on the "
-                   "job's own c10d TCPStore hosted by rank 0; c10d with --nnodes > 1 needs "
-                   "--node-rank (node 0 owns --rdzv-endpoint)")
+                   metavar="static|c10d", help="static (default): nodes numbered by "
+                   "--node-rank; c10d: torch's own dynamic rendezvous, node ranks assigned on "
+                   "arrival, the same command line on every node; the job's store runs on "
+                   "whichever node hosts --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
                    metavar="HOST[:PORT]", help="the store's address, taken as --master-addr and "
                    f"--master-port (port {C10D_DEFAULT_PORT} when left out)")
     g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="ID",
                    help="the job's id (TORCHELASTIC_RUN_ID; names the --log-dir subdirectory)")
     g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="", metavar="K=V,...",
-                   help="join_timeout=SECONDS sets --rdzv-timeout; other keys are accepted and "
-                   "have no effect")
+                   help="torch's rendezvous settings, torchrun's meanings: join_timeout (= "
+                   "--rdzv-timeout), last_call_timeout, close_timeout, read_timeout, is_host, "
+                   "keep_alive_interval, keep_alive_max_attempt (seconds or counts)")
     g.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", default="5m",
-                   metavar="DURATION", help="nodes > 0: how long to wait for MASTER_ADDR:"
-                   "MASTER_PORT to accept connections before any rank starts (default 5m)")
+                   metavar="DURATION", help="how long every node waits for the others before "
+                   "any rank starts (the endpoint to answer, then every node to join), naming "
+                   "who joined and who is missing as it goes (default 5m; join_timeout)")
     g.add_argument("--standalone", action="store_true",
                    help="one node on a free port (torchrun's standalone): the --rdzv-* flags "
                    "are ignored")
     g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=None,
-                   metavar="HOST", help="accepted for torchrun command lines; no effect (ranks "
-                   "meet at MASTER_ADDR; pin interfaces with NCCL_/GLOO_SOCKET_IFNAME)")
+                   metavar="HOST", help="the address this node advertises to the others "
+                   "(default: its host name, or a routable address when the name resolves to "
+                   "loopback)")
 
     g = p.add_argument_group("output and logs")
     g.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="DIR",
@@ -244,8 +252,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise UsageError("--no-python and -m contradict each other (torchrun refuses them too)",
                          fix="give one of them")
     rdzv = _rendezvous(args)
-    nnodes, node_rank = rdzv["nnodes"], rdzv["node_rank"]
-    master_addr, master_port = rdzv["master_addr"], rdzv["master_port"]
     nproc, nproc_auto, cpu = _nproc(args.nproc_per_node), False, args.cpu
     gpus: int | str | None = args.gpus
     if args.nproc_per_node in ("auto", "gpu", "cpu"):
@@ -258,21 +264,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
             cpu, nproc = True, cpu_count()
         else:
             nproc_auto = True
-    source = "flags"
-    if nnodes is None and not args.standalone:
-        from gpuwarden.launch.slurm import slurm_settings
-
-        slurm = slurm_settings(os.environ)
-        if slurm is not None:
-            nnodes, source = slurm.nnodes, "slurm"
-            node_rank = slurm.node_rank if node_rank is None else node_rank
-            if slurm.nnodes > 1:
-                # One node needs no shared port: it picks a free one, so two launches in one
-                # allocation never collide (and a busy derived port is no user error).
-                master_addr = master_addr or slurm.master_addr
-                master_port = master_port or slurm.master_port
-            if nproc is None and gpus is None and not cpu and not nproc_auto:
-                nproc = slurm.nproc
+    if not args.standalone:
+        slurm = _slurm(rdzv)
+        if slurm is not None and nproc is None and gpus is None and not cpu and not nproc_auto:
+            nproc = slurm.nproc
+    nnodes, node_rank = rdzv["nnodes"], rdzv["node_rank"]
+    master_addr, master_port = rdzv["master_addr"], rdzv["master_port"]
+    if (nnodes or 1) > 1 and rdzv["backend"] == "c10d":
+        node_rank = None  # assigned on arrival; torchrun ignores --node-rank here too
+    elif node_rank is None and (nnodes or 1) == 1:
+        node_rank = 0
     if isinstance(gpus, str) and gpus != "all":
         if not gpus.isdigit():
             raise UsageError(f"--gpus {gpus!r} is neither a number nor 'all'", fix="--gpus 2 or --gpus all")
@@ -302,11 +303,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
         master_port=master_port,
         master_addr=master_addr or DEFAULT_MASTER_ADDR,
         nnodes=1 if nnodes is None else nnodes,
-        node_rank=node_rank or 0,
+        min_nodes=rdzv["min_nodes"],
+        node_rank=node_rank,
+        rdzv_backend=rdzv["backend"],
+        rdzv_conf=rdzv["conf"],
+        local_addr=args.local_addr or None,
+        expected_hosts=rdzv["hosts"],
         rdzv_timeout_s=rdzv["timeout_s"] if rdzv["timeout_s"] is not None
         else parse_duration(args.rdzv_timeout, what="--rdzv-timeout"),
         rdzv_id=None if args.standalone or args.rdzv_id in (None, "none") else args.rdzv_id,
-        source=source,
+        source=rdzv["source"],
         log_dir=args.log_dir,
         quiet=args.quiet,
         role=args.role,
@@ -371,43 +377,82 @@ def _filters(text: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _rendezvous(args: argparse.Namespace) -> dict[str, Any]:
-    """torchrun's rendezvous flags mapped onto gpuwarden's static one (rank 0 hosts the job's
-    c10d TCPStore at MASTER_ADDR:MASTER_PORT; ranks are numbered node by node)."""
+    """torchrun's rendezvous flags: ``static`` numbers the nodes by --node-rank; ``c10d`` with
+    several nodes runs torch's own dynamic rendezvous, which assigns node ranks on arrival
+    (--node-rank is then ignored, as torchrun ignores it)."""
     from gpuwarden.units import parse_duration
 
-    out: dict[str, Any] = {"nnodes": _nnodes(args.nnodes) if args.nnodes is not None else None,
-                           "node_rank": args.node_rank, "master_addr": args.master_addr,
-                           "master_port": args.master_port, "timeout_s": None}
+    lo, hi = _nnodes(args.nnodes) if args.nnodes is not None else (None, None)
+    out: dict[str, Any] = {"nnodes": hi, "min_nodes": lo, "node_rank": args.node_rank,
+                           "master_addr": args.master_addr, "master_port": args.master_port,
+                           "timeout_s": None, "backend": "static", "conf": (), "hosts": (),
+                           "source": "flags", "notes": []}
     if args.standalone:
+        out["min_nodes"] = None
+        out["nnodes"] = 1 if hi is None else hi
         return out  # torchrun: the --rdzv-* flags are ignored
     backend = str(args.rdzv_backend).lower()
     if backend not in RDZV_BACKENDS:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend}: gpuwarden supports static and c10d",
-                         why="both map onto the job's own c10d TCPStore, hosted by rank 0; "
-                         "etcd and custom backends would need their client in the supervisor",
+                         why="torch's c10d rendezvous runs on a TCPStore every node reaches; etcd "
+                         "and custom backends would need their own clients",
                          fix="--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --master-addr "
                          "HOST --master-port PORT")
+    out["backend"] = backend
+    conf: list[tuple[str, str]] = []
     for item in (s for s in str(args.rdzv_conf).split(",") if s.strip()):
         key, sep, value = item.partition("=")
-        if not sep:
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
             raise UsageError(f"--rdzv-conf {args.rdzv_conf!r}: {item!r} is not KEY=VALUE",
                              fix="e.g. --rdzv-conf join_timeout=900")
-        if key.strip() == "join_timeout":
-            out["timeout_s"] = parse_duration(value.strip(), what="--rdzv-conf join_timeout")
+        if key == "join_timeout":
+            out["timeout_s"] = parse_duration(value, what="--rdzv-conf join_timeout")
+        else:
+            conf.append((key, value))
+    out["conf"] = tuple(conf)
     if args.rdzv_endpoint:
-        host, port = _endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT if backend == "c10d" else 29500)
-        out["master_addr"], out["master_port"] = host, port
+        default_port = C10D_DEFAULT_PORT if backend == "c10d" else 29500
+        host, port = _endpoint(args.rdzv_endpoint, default_port)
+        # torchrun's single-node idiom --rdzv-endpoint localhost:0: any free port
+        out["master_addr"], out["master_port"] = host, (port or None)
         if out["nnodes"] is None:
-            out["nnodes"] = 1
-    if backend == "c10d" and (out["nnodes"] or 1) > 1 and out["node_rank"] is None \
-            and "SLURM_NODEID" not in os.environ:
-        raise UsageError(
-            f"--rdzv-backend c10d with --nnodes {out['nnodes']} needs --node-rank on each node",
-            why="gpuwarden's rendezvous is static: ranks are numbered node by node, so each node "
-            "must know its index (torch's dynamic c10d rendezvous assigns it on arrival)",
-            fix="add --node-rank 0 on the host of --rdzv-endpoint and 1..N-1 on the others "
-            "(under srun, SLURM_NODEID gives it)")
+            out["nnodes"] = out["min_nodes"] = 1
     return out
+
+
+def _slurm(rdzv: dict[str, Any]) -> Any:
+    """Inside a Slurm step, whatever the flags leave open comes from Slurm's variables, also
+    beside --nnodes and c10d (srun torchrun --nnodes=$SLURM_NNODES ... --rdzv-backend=c10d):
+    the node count, this node's index (static), node 0's address and port (static), and the
+    job's hosts, which waits name when a node is missing. Updates ``rdzv``; Slurm's settings
+    (None outside Slurm)."""
+    from gpuwarden.launch.slurm import slurm_settings
+
+    dynamic = rdzv["backend"] == "c10d"
+    wants = rdzv["nnodes"] is None or (not dynamic and (
+        rdzv["node_rank"] is None or rdzv["master_addr"] is None or rdzv["master_port"] is None))
+    try:
+        slurm = slurm_settings(os.environ)
+    except UsageError:
+        if wants:
+            raise
+        return None  # the flags say everything; a batch-script launch of a given topology
+    if slurm is None:
+        return None
+    if rdzv["nnodes"] is None:
+        rdzv["nnodes"], rdzv["min_nodes"], rdzv["source"] = slurm.nnodes, slurm.nnodes, "slurm"
+    multinode = rdzv["nnodes"] > 1
+    if multinode and not dynamic:
+        if rdzv["node_rank"] is None:
+            rdzv["node_rank"], rdzv["source"] = slurm.node_rank, "slurm"
+        # One node needs no shared port: it picks a free one, so two launches in one
+        # allocation never collide (and a busy derived port is no user error).
+        rdzv["master_addr"] = rdzv["master_addr"] or slurm.master_addr
+        rdzv["master_port"] = rdzv["master_port"] or slurm.master_port
+    if multinode and len(slurm.hosts) == slurm.nnodes:
+        rdzv["hosts"] = slurm.hosts
+    return slurm
 
 
 def _endpoint(text: str, default_port: int) -> tuple[str, int]:
@@ -425,25 +470,32 @@ def _endpoint(text: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def _nnodes(text: str) -> int:
-    """``N`` or torchrun's ``MIN:MAX`` with MIN == MAX (static membership only)."""
-    lo, _, hi = str(text).partition(":")
-    hi = hi or lo
-    if not (lo.isdigit() and hi.isdigit()):
-        raise UsageError(f"--nnodes {text!r} is not a number", fix="--nnodes 2")
-    if lo != hi:
-        raise UsageError(f"--nnodes {text}: elastic membership (MIN:MAX) is not supported",
-                         why="ranks are numbered node by node from a fixed node count, as "
-                         "torchrun's static rendezvous does", fix=f"--nnodes {hi}")
-    return int(lo)
+def _nnodes(text: str) -> tuple[int, int]:
+    """``N`` or torchrun's ``MIN:MAX`` (elastic membership: torch's c10d rendezvous only)."""
+    lo, sep, hi = str(text).strip().partition(":")
+    hi = hi if sep else lo
+    if not (lo.strip().isdigit() and hi.strip().isdigit()):
+        raise UsageError(f"--nnodes {text!r} is not a number or MIN:MAX",
+                         fix="--nnodes 2, or --nnodes 1:4 (elastic, with --rdzv-backend c10d)")
+    return int(lo), int(hi)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpuwarden.launch import node_agent
+
+    config = config_from_args(args)
+    agent = None
+    if config.multinode:
+        # Several nodes: torch's rendezvous runs in the node agent, whose torch import is the
+        # longest step before the ranks start; `gpuwarden launch` started it before parsing.
+        agent = node_agent.take_early() or node_agent.NodeAgent.start()
     from gpuwarden.cli import inventory_of
     from gpuwarden.launch.runner import launch
 
-    config = config_from_args(args)
     notes = []
+    if args.node_rank is not None and config.dynamic:
+        notes.append(f"--node-rank {args.node_rank} is ignored with --rdzv-backend c10d: torch's "
+                     "rendezvous assigns node ranks on arrival (as torchrun)")
     if args.numa_binding:
         notes.append(f"--numa-binding {args.numa_binding} is not applied: ranks run on every "
                      "CPU this launch may use")
@@ -452,7 +504,13 @@ def run(args: argparse.Namespace) -> int:
                      "torchelastic events")
     for note in notes:
         print(f"gpuwarden: {note}", file=sys.stderr)
-    report, _outcome = launch(config, inventory=inventory_of(args))
+    try:
+        inventory = inventory_of(args)
+    except BaseException:
+        if agent is not None:
+            agent.close()  # launch() ends it from here on
+        raise
+    report, _outcome = launch(config, inventory=inventory, agent=agent)
     if not report.ok or not args.quiet:
         from gpuwarden.findings import emit
 

@@ -69,8 +69,11 @@ def check_master_addr(rdzv: RendezvousFacts, nnodes: int) -> Check:
     if rdzv.route_interface:
         evidence.append(f"route to it leaves through {rdzv.route_interface}")
     if nnodes > 1 and res.all_loopback:
-        return check(cid, code, FAIL, f"MASTER_ADDR {rdzv.addr!r} is loopback ({addrs}) in a "
-                     f"{nnodes}-node job", why="other nodes reach their own loopback, not this host",
+        # torchrun runs it: a rehearsal with every node on this host, or this host's own name
+        # on Debian's 127.0.1.1 line (the launcher then advertises a routable address).
+        return check(cid, code, WARN, f"MASTER_ADDR {rdzv.addr!r} is loopback ({addrs}) in a "
+                     f"{nnodes}-node job", why="fine when every node runs on this host (a "
+                     "rehearsal); nodes on other hosts reach their own loopback, not this host",
                      fix="set MASTER_ADDR to rank 0's network address", evidence=evidence)
     where = "this host" if rdzv.local else "another host"
     return check(cid, code, OK, f"MASTER_ADDR {rdzv.addr} resolves to {addrs} ({where})",

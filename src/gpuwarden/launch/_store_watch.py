@@ -20,8 +20,9 @@ thread's keys live under ``gpuwarden/``, beside the process group's own prefixed
   supervisor reads with its progress records. The supervisor never imports torch;
 - the same poll relays ``gpuwarden stacks`` between nodes (``launch/_store_stacks.py``).
 
-``python -m gpuwarden.launch._store_watch --abort HOST PORT JSON`` sets the abort key from a short-lived
-process: the supervisor uses it when its rank died without saying so itself (a signal).
+The job-wide first failure and the restart decision live in the node agent's store, which
+outlives the attempts (``job_store.py``); this abort key in the workers' store is the fast path
+a failing rank takes itself, within milliseconds of its exception.
 """
 
 from __future__ import annotations
@@ -271,21 +272,3 @@ def abort_from_rank(record: dict[str, Any]) -> bool:
     if _watch is None:
         return False
     return _watch.abort(record)
-
-
-def _main(argv: list[str]) -> int:
-    if len(argv) != 4 or argv[0] != "--abort":
-        print("usage: python -m gpuwarden.launch._store_watch --abort HOST PORT JSON", file=sys.stderr)
-        return 2
-    host, port, record = argv[1], int(argv[2]), json.loads(argv[3])
-    try:
-        set_abort(_client(host, port, 5.0), record)
-    except Exception as exc:
-        print(f"gpuwarden: could not tell the other nodes through {host}:{port}: {exc}",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -21,9 +21,16 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # (``--signal=USR1@60``) must reach the script, which decides (checkpoint, requeue, exit).
 FORWARDED_SIGNALS = ("SIGUSR1", "SIGUSR2")
 START_METHODS = ("spawn", "fork", "forkserver")
-# How long a node > 0 waits for MASTER_ADDR:MASTER_PORT to accept connections before any rank
-# starts: nodes are started by hand, ssh or Slurm within minutes of each other, not hours.
+# How long a node waits for the job's other nodes (the rendezvous endpoint to accept connections,
+# then the rendezvous to complete): torchrun's join_timeout. Nodes are started by hand, ssh or
+# Slurm within minutes of each other, not hours; every wait is named as it goes.
 DEFAULT_RDZV_TIMEOUT_S = 300.0
+RDZV_BACKENDS = ("static", "c10d")
+# torchrun's --rdzv-conf keys that torch's c10d rendezvous reads (dynamic_rendezvous.create_handler,
+# c10d_rendezvous_backend.create_backend): whole seconds or counts, and is_host.
+RDZV_CONF_INT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                      "read_timeout", "keep_alive_interval", "keep_alive_max_attempt")
+RDZV_CONF_BOOL_KEYS = ("is_host",)
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,20 @@ class LaunchConfig:
     quiet: bool = False
     run_id: str | None = None
     extra_env: tuple[tuple[str, str], ...] = field(default=())
-    nnodes: int = 1
-    node_rank: int = 0
+    nnodes: int = 1  # the most nodes: MAX of torchrun's --nnodes MIN:MAX
+    # None: this node's index is assigned on arrival by torch's c10d rendezvous (--rdzv-backend
+    # c10d); an int: --node-rank, ranks numbered node by node (static).
+    node_rank: int | None = 0
     rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S
     # Where the multi-node settings came from ("flags", "slurm"): said in notes and reports.
     source: str = "flags"
+    min_nodes: int | None = None  # MIN of --nnodes MIN:MAX (None: nnodes, fixed membership)
+    rdzv_backend: str = "static"
+    # --rdzv-conf KEY=VALUE pairs handed to torch's rendezvous (join_timeout is rdzv_timeout_s)
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    local_addr: str | None = None  # torchrun's --local-addr: the address this node advertises
+    # The job's hosts when the scheduler says (Slurm's node list): waits name the missing ones.
+    expected_hosts: tuple[str, ...] = ()
     role: str = "default"
     max_restarts: int = 0
     # --max-restarts' policy (launch/restart.py): "auto" decides from the failure, "always" is
@@ -94,7 +110,22 @@ class LaunchConfig:
 
     @property
     def multinode(self) -> bool:
+        """More than one node may take part: the node agent and the job's store are used."""
         return self.nnodes > 1
+
+    @property
+    def fewest_nodes(self) -> int:
+        return self.nnodes if self.min_nodes is None else self.min_nodes
+
+    @property
+    def elastic(self) -> bool:
+        """--nnodes MIN:MAX with MIN < MAX: the job runs on whoever joined (torchrun's elastic)."""
+        return self.fewest_nodes < self.nnodes
+
+    @property
+    def dynamic(self) -> bool:
+        """Node ranks assigned on arrival by torch's c10d rendezvous (no --node-rank)."""
+        return self.multinode and self.node_rank is None
 
     @property
     def explicit_gpu_count(self) -> int | None:
@@ -150,29 +181,65 @@ def _validate(c: LaunchConfig) -> None:
         raise UsageError(f"--master-port {c.master_port} is not a TCP port", fix="give 1..65535")
     if c.stall_timeout_s <= 0:
         raise UsageError("--stall-timeout must be more than 0", fix="e.g. --stall-timeout 30s")
-    if c.nnodes < 1:
-        raise UsageError(f"--nnodes {c.nnodes}: a job has at least one node", fix="--nnodes 2")
-    if not 0 <= c.node_rank < c.nnodes:
+    if c.nnodes < 1 or c.fewest_nodes < 1:
+        raise UsageError(f"--nnodes {c.fewest_nodes}:{c.nnodes}: a job has at least one node",
+                         fix="--nnodes 2")
+    if c.fewest_nodes > c.nnodes:
+        raise UsageError(f"--nnodes {c.fewest_nodes}:{c.nnodes}: MIN is more than MAX",
+                         fix=f"--nnodes {c.nnodes}:{c.fewest_nodes}")
+    if c.rdzv_backend not in RDZV_BACKENDS:
+        raise UsageError(f"--rdzv-backend {c.rdzv_backend}: gpuwarden supports static and c10d",
+                         fix="--rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+    if c.elastic and c.rdzv_backend != "c10d":
+        raise UsageError(f"--nnodes {c.fewest_nodes}:{c.nnodes}: elastic membership needs torch's "
+                         "dynamic rendezvous", why="the static rendezvous numbers a fixed set of "
+                         "nodes 0..N-1 (as torchrun's)",
+                         fix=f"--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or --nnodes {c.nnodes}")
+    if c.node_rank is None:
+        if c.rdzv_backend != "c10d":
+            raise UsageError("no --node-rank: only torch's c10d rendezvous assigns node ranks",
+                             fix="--node-rank R on each node, or --rdzv-backend c10d")
+    elif not 0 <= c.node_rank < c.nnodes:
         raise UsageError(f"--node-rank {c.node_rank} is not in 0..{c.nnodes - 1} (--nnodes "
                          f"{c.nnodes})", fix="number the nodes 0 to N-1; node 0 hosts rank 0")
     if c.rdzv_timeout_s <= 0:
         raise UsageError("--rdzv-timeout must be more than 0", fix="e.g. --rdzv-timeout 5m")
-    if c.multinode:
+    _validate_rdzv_conf(c.rdzv_conf)
+    if c.multinode and c.rdzv_backend == "c10d":
+        if c.master_port is None:
+            raise UsageError(f"--nnodes {c.nnodes} with --rdzv-backend c10d needs "
+                             "--rdzv-endpoint HOST:PORT (the same on every node)",
+                             fix="e.g. --rdzv-endpoint node0:29400")
+    elif c.multinode:
         if c.master_port is None:
             # Every node must use the same port: a free port picked here is unknown elsewhere.
             raise UsageError(f"--nnodes {c.nnodes} needs --master-port (the same on every node)",
                              fix="e.g. --master-port 29500; under Slurm it is derived from the job id")
         if c.master_addr == DEFAULT_MASTER_ADDR:
             raise UsageError(f"--nnodes {c.nnodes} needs --master-addr: node 0's address, the "
-                             "same on every node (127.0.0.1 is each node's own loopback)",
-                             fix="--master-addr 10.0.0.4 (node 0's address on the network the "
-                             "nodes share)")
+                             "same on every node", fix="--master-addr 10.0.0.4 (node 0's address "
+                             "on the network the nodes share; 127.0.0.1 to rehearse with every "
+                             "node on this host)")
     if not c.target:
         raise UsageError("no script to run", fix="gpuwarden launch -n 2 train.py [ARGS...]")
     if not c.module:
         check_script(c.target, executable=c.no_python and not c.run_path)
     if c.log_dir is not None and os.path.exists(c.log_dir) and not os.path.isdir(c.log_dir):
         raise UsageError(f"--log-dir {c.log_dir!r} is a file", fix="name a directory")
+
+
+def _validate_rdzv_conf(conf: tuple[tuple[str, str], ...]) -> None:
+    for key, value in conf:
+        if key in RDZV_CONF_INT_KEYS and not (value.isdigit() and int(value) > 0):
+            raise UsageError(f"--rdzv-conf {key}={value!r} is not a whole number of seconds "
+                             "(or a count) above 0", fix=f"e.g. --rdzv-conf {key}=30")
+        if key in RDZV_CONF_BOOL_KEYS and value.lower() not in ("1", "0", "true", "false", "yes",
+                                                                 "no", "y", "n", "t", "f"):
+            raise UsageError(f"--rdzv-conf {key}={value!r} is not a boolean",
+                             fix=f"--rdzv-conf {key}=true or {key}=false")
+        if key == "store_type" and value.lower() != "tcp":
+            raise UsageError(f"--rdzv-conf store_type={value}: only the TCP store reaches "
+                             "other nodes", fix="leave store_type out (tcp)")
 
 
 def check_script(path: str, *, executable: bool = False) -> None:

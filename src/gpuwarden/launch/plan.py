@@ -20,8 +20,9 @@ torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORL
 ``N*K``, ``GROUP_RANK`` is R, and each rank gets ``GPUWARDEN_PEERS_FILE``, where its bootstrap's
 store watch (:mod:`gpuwarden.launch._store_watch`) reports what it learns from the job's TCPStore.
 
-``TORCHELASTIC_USE_AGENT_STORE`` is ``False``: there is no agent-hosted TCPStore (hosting one
-would need torch in the supervisor); rank 0 hosts the store, as with plain ``env://``.
+``TORCHELASTIC_USE_AGENT_STORE`` is ``False`` on one node: there is no agent-hosted TCPStore
+(hosting one would need torch in the supervisor); rank 0 hosts the store, as with plain
+``env://``. On several nodes the node agent of rank 0's node hosts it (``agent_store``).
 """
 
 from __future__ import annotations
@@ -155,33 +156,40 @@ def make_plan(
     base_env: Mapping[str, str],
     log_run_dir: str | None = None,
     attempt: int = 0,
+    restart_count: int | None = None,
+    agent_store: bool = False,
 ) -> LaunchPlan:
     """One RankSpec per rank. ``gpus`` empty: CPU ranks. Otherwise one GPU per rank, or, with
     ``config.share``, ranks spread round-robin over ``gpus``. ``log_run_dir``: torchrun's
     ``<log-dir>/<run id>_<suffix>`` when ``--log-dir`` is given (error files go under it);
     ``attempt``: the restart count (--max-restarts), in TORCHELASTIC_RESTART_COUNT and the
-    ``attempt_<k>`` directory of the log layout."""
+    ``attempt_<k>`` directory of the log layout; ``restart_count``, when given, is the job's
+    count for TORCHELASTIC_RESTART_COUNT instead (several nodes: a re-rendezvous for a node
+    that joined is an attempt of this node, not a restart of the job). ``agent_store``: the
+    node agent of rank 0's node hosts the workers' store at MASTER_ADDR:MASTER_PORT (several
+    nodes), so every rank connects as a client (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
     local = rank_count(config, len(gpus))
     if gpus and len(gpus) < local and not config.share:
         raise ValueError(f"{local} ranks need {local} GPUs, {len(gpus)} given")  # preflight's job
+    node_rank = config.node_rank or 0  # a dynamic job plans with its round's node rank
     world = local * config.nnodes
-    first = config.node_rank * local  # torchrun static: ranks numbered node by node
+    first = node_rank * local  # torchrun: ranks numbered node by node
     argv = rank_argv(config, base_env.get("PYTHON_EXEC") or python)
     notes: list[str] = []
     common = {
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(local),
-        "GROUP_RANK": str(config.node_rank),
+        "GROUP_RANK": str(node_rank),
         "GROUP_WORLD_SIZE": str(config.nnodes),
         "ROLE_NAME": config.role,
         "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt if restart_count is None else restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals_to_handle),
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "GPUWARDEN_SUPERVISOR_PID": str(supervisor_pid),
         "GPUWARDEN_RUN_ID": run_id,
@@ -192,7 +200,7 @@ def make_plan(
     # host N times over. torchrun sets the same default.
     if config.multinode:
         common.update({"GPUWARDEN_NNODES": str(config.nnodes),
-                       "GPUWARDEN_NODE_RANK": str(config.node_rank),
+                       "GPUWARDEN_NODE_RANK": str(node_rank),
                        "GPUWARDEN_RDZV_TIMEOUT": f"{config.rdzv_timeout_s:g}"})
     if local > 1 and "OMP_NUM_THREADS" not in base_env:
         common["OMP_NUM_THREADS"] = "1"
@@ -243,4 +251,4 @@ def make_plan(
                 "NCCL refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
                 "gpuwarden.distributed.init() uses gloo for them")
     return LaunchPlan(config, tuple(ranks), config.master_addr, master_port, run_id, run_dir,
-                      tuple(notes), config.nnodes, config.node_rank, log_run_dir, attempt)
+                      tuple(notes), config.nnodes, node_rank, log_run_dir, attempt)

@@ -39,6 +39,7 @@ _ECHO = re.compile(
     r"Rank \d+ is closing|Gloo connectFullMesh failed|failed to recv, got 0 bytes",
     re.IGNORECASE,
 )
+ECHO_TEXT = _ECHO  # what the supervisor's first-failure record for the job's store checks
 
 _SIGNAL_WHY = {
     "SIGKILL": ("SIGKILL cannot be caught: most often the kernel's out-of-memory killer (host RAM, "
@@ -137,6 +138,9 @@ def root_cause(exits: list[RankExit]) -> RankExit | None:
 def build_report(outcome: RunOutcome) -> LaunchReport:
     plan = outcome.plan
     failures = [e for e in outcome.exits.values() if e.failed and not e.stopped_by_launcher]
+    job = outcome.job_failure
+    if job is not None and job.get("by") != _job_by() and job.get("kind") != "membership":
+        return _node_aborted_report(outcome)  # the job's first failure is another node's
     if outcome.stopped_for is not None and all(is_echo(e) for e in failures):
         return _node_aborted_report(outcome)  # another node failed first: say which
     root = root_cause(list(outcome.exits.values()))
@@ -154,6 +158,12 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
             evidence=[_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)])
     elapsed = outcome.ended_at - outcome.started_at
     return LaunchReport(0, None, f"{plan.world_size} rank(s) finished in {elapsed:.1f} s")
+
+
+def _job_by() -> str:
+    from gpuwarden.launch.job_store import LAUNCHER_ID
+
+    return LAUNCHER_ID
 
 
 def _by_rank(e: RankExit) -> int:
@@ -181,6 +191,9 @@ def _ranks_by_node(outcome: RunOutcome, ranks: list[int]) -> str:
 
 def _node_aborted_report(outcome: RunOutcome) -> LaunchReport:
     plan, peers = outcome.plan, outcome.peers
+    job = outcome.job_failure
+    if job is not None:
+        return _job_failure_report(outcome, job)
     stopped = [_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)]
     if outcome.stopped_for == "abort" and peers is not None and peers.abort is not None:
         rec = peers.abort
@@ -200,6 +213,39 @@ def _node_aborted_report(outcome: RunOutcome) -> LaunchReport:
                f"lost the network ({lost})")
         fix = "the root cause is in node 0's report"
     return LaunchReport(EXIT_NODE_ABORTED, "NODE_ABORTED", what, why, fix, stopped, [], None)
+
+
+def _job_failure_report(outcome: RunOutcome, rec: dict[str, Any]) -> LaunchReport:
+    """Another node's failure is the job's first (job_store.py): named as every node names it;
+    this node's own failures are listed as its echoes, or as failures that came after it."""
+    from gpuwarden.launch import job_store
+
+    plan = outcome.plan
+    kind = rec.get("kind")
+    node = rec.get("node")
+    what = (f"{job_store.describe(rec)}; this node (node {plan.node_rank}) stopped its "
+            f"{len(plan.ranks)} rank(s)")
+    if kind == job_store.NODE_LOST:
+        why = (f"node {node} stopped answering in the job's store: its host, its network or its "
+               "launcher died; its ranks' peers here would have waited for NCCL's watchdog "
+               "(10 min) or gloo's timeout (30 min)")
+        fix = f"look at node {node}'s host (its launcher's output, dmesg, the scheduler's log)"
+    else:
+        why = ("the first failure anywhere in the job is the root cause: its node wrote it to "
+               "the job's store, and every node stopped its ranks when it appeared")
+        fix = f"the root cause, its traceback and its fix are in node {node}'s report"
+    evidence = []
+    for e in sorted(outcome.exits.values(), key=_by_rank):
+        line = _rank_line(outcome, e)
+        if e.failed and not e.stopped_by_launcher:
+            err = e.error or {}
+            words = f"{err.get('type')}: {err.get('message')}" if err.get("type") else ""
+            line += (f" (an echo of the job's first failure{': ' + words if words else ''})"
+                     if is_echo(e) else f" (failed after the job's first failure: {words or 'see above'})")
+        evidence.append(line)
+    fields = {"node": node, "host": rec.get("host"), "rank": rec.get("rank"), "kind": kind}
+    return LaunchReport(EXIT_NODE_ABORTED, "NODE_ABORTED", what, why, fix, evidence, [], None,
+                        fields)
 
 
 def _rank_line(outcome: RunOutcome, e: RankExit) -> str:

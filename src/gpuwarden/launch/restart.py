@@ -38,6 +38,7 @@ DEFAULT_RESTART_BACKOFF_S = 1.0
 TRANSIENT_CODES = frozenset({
     "NCCL_WATCHDOG_TIMEOUT", "RDZV_CONNECT_TIMEOUT", "RDZV_CONN_REFUSED", "RDZV_WORKERS_MISSING",
     "RANK_STALL", "GPU_HARDWARE_FAULT", "CUDA_DEVICES_BUSY", "DATALOADER_WORKER_KILLED",
+    "NODE_LOST",
 })
 # The job's own configuration: every attempt would fail the same way (failure-codes.md's fix
 # is a change to the command line, the script or the host, never time).
@@ -82,8 +83,10 @@ class Failure:
         return (self.rank, self.exc_type, self.where)
 
     def describe(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "the job"
         how = self.signal or (f"{self.exc_type} at {self.where}" if self.exc_type else self.what)
+        if self.rank is None or self.rank < 0:  # a node lost, a membership change, a stall...
+            return f"{self.code} ({how})" if how else self.code
+        who = f"rank {self.rank}"
         return f"{self.code} ({who}: {how})" if how else f"{self.code} ({who})"
 
 
@@ -92,6 +95,7 @@ class Decision:
     restart: bool
     reason: str
     exclude_gpus: tuple[str, ...] = ()  # uuids released before the next attempt
+    counts: bool = True  # a restart that uses one of --max-restarts (not a membership change)
 
 
 def decide_restart(history: Sequence[Failure], failure: Failure, policy: RestartPolicy) -> Decision:
@@ -99,16 +103,19 @@ def decide_restart(history: Sequence[Failure], failure: Failure, policy: Restart
     (so ``len(history)`` restarts were already used)."""
     if failure.code == "LAUNCH_INTERRUPTED":
         return Decision(False, "stopped by a signal to gpuwarden, not restarting")
+    if failure.code == "MEMBERSHIP_CHANGE":
+        # torchrun's elastic semantics: every node restarts its workers on a new world size,
+        # and that is not a restart of --max-restarts.
+        return Decision(True, "re-rendezvous with the new set of nodes (a membership change, "
+                        "not counted as a restart)", counts=False)
+    if failure.code == "RDZV_STORE_LOST":
+        return Decision(False, "the job's store is gone (its host, network or launcher "
+                        "died): no rendezvous to restart on, not restarting")
     if len(history) >= policy.max_restarts:
         return Decision(False, f"no restarts left (--max-restarts {policy.max_restarts})")
     exclude = (failure.gpu,) if failure.code in EXCLUDE_GPU_CODES and failure.gpu else ()
     if policy.restart_on == "always":
         return Decision(True, "restarting (--restart-on always)", exclude)
-    if policy.multinode and history and failure.code == "RDZV_WORKERS_MISSING":
-        # The ranks of another node never joined this restart: that node ended the job (its
-        # own decision: the same failure twice, no restarts left). Waiting again would not help.
-        return Decision(False, "other nodes did not join the restarted attempt (they ended "
-                        "the job), not restarting")
     if failure.code in PERMANENT_CODES:
         return Decision(False, f"{failure.code} is in the job's configuration: every attempt "
                         "would fail the same way, not restarting")

@@ -12,87 +12,252 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.plan import LaunchPlan, make_plan
+from gpuwarden.launch.job_store import JobRound, Settled, job_history
+from gpuwarden.launch.node_agent import AgentError, NodeAgent, Round
+from gpuwarden.launch.plan import LaunchPlan, make_plan, rank_count
 from gpuwarden.launch.preflight import choose_port, take_gpus
 from gpuwarden.launch.relay import needs_log_files
 from gpuwarden.launch.report import LaunchReport, build_report, stall_report
+from gpuwarden.launch.restart import Failure, RestartPolicy
 from gpuwarden.launch.supervisor import RunOutcome, Stall, Supervisor
+
+# How long the node hosting the job's store keeps it up, at most, for nodes still ending (each
+# also stops being waited for once it has been silent NODE_LOST_S).
+_DONE_WAIT_S = 300.0
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
+    from gpuwarden.launch.rendezvous import RendezvousPreflight
 
 
 def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
            argv: tuple[str, ...] | None = None,
-           run_dir: str | None = None, inventory: Inventory | None = None
-           ) -> tuple[LaunchReport, RunOutcome]:
+           run_dir: str | None = None, inventory: Inventory | None = None,
+           agent: NodeAgent | None = None) -> tuple[LaunchReport, RunOutcome]:
     """Run ``config`` to the end and return its report (printed by the caller) and outcome.
 
     Raises before any rank starts: UsageError (exit 2), NoGPUError (3), ConstraintError with
-    every GPU's verdict (4), PortInUseError (RDZV_PORT_IN_USE) for a busy --master-port.
+    every GPU's verdict (4), PortInUseError (RDZV_PORT_IN_USE) for a busy --master-port;
+    several nodes: RendezvousError (the preflight's codes, RDZV_WORKERS_MISSING when the other
+    nodes do not join within the join timeout, naming them). ``agent``: the node agent when
+    the caller started it already (the CLI does, before importing this module); launch ends it.
     """
     err = stderr or sys.stderr
-    if config.multinode:
-        # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
-        from gpuwarden.launch.rendezvous import check_rendezvous
-
-        pre = check_rendezvous(config, dict(os.environ), err=err)
-        if pre.env:
-            config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
-    taken = take_gpus(config, inventory)
     own_dir = run_dir is None
     errors_only: str | None = None
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
+    taken = None
     try:
+        pre = None
+        if config.multinode:
+            # First thing: the agent's torch import overlaps the preflight and the GPU lease.
+            agent = agent or NodeAgent.start()
+            from gpuwarden.launch.rendezvous import check_rendezvous
+
+            # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
+            pre = check_rendezvous(config, dict(os.environ), err=err)
+            if pre.env:
+                config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
+        taken = take_gpus(config, inventory)
         run_id = config.run_id or _run_id(config)
         log_run_dir = _log_run_dir(config, run_id)
         if log_run_dir is None:
             # torch's error files go where torchrun puts them, a /tmp/torchelastic_* tree
             log_run_dir = errors_only = _error_file_dir(run_id)
+        notes = [*taken.notes]
+        if log_run_dir != errors_only:
+            notes.append(f"log directory: {log_run_dir}")
+        if agent is not None:
+            assert pre is not None
+            job = _MultiNode(config, agent, pre, run_id, len(taken.gpus), err)
+            return job.run(taken.gpus, notes, stdout, stderr, work, log_run_dir, argv)
 
-        def run_attempt(attempt: int, gpus: tuple[GPUSnapshot, ...],
+        def run_attempt(attempt: int, restarts: int, gpus: tuple[GPUSnapshot, ...],
                         notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
-            if config.multinode and attempt > 0:
-                # The restart's rendezvous (--master-port + attempt): node 0 checks it is free,
-                # the others wait (--rdzv-timeout) for node 0's restarted rank 0 to bind it; a
-                # node 0 that ended the job is then named rather than waited for forever.
-                _restart_rendezvous(config, attempt, err)
             plan = _attempt_plan(config, attempt, gpus, run_id=run_id, work=work,
                                  log_run_dir=log_run_dir, argv=argv)
             for note in (*notes, *(plan.notes if attempt == 0 else ())):
                 print(f"gpuwarden: {note}", file=err)
             return _supervise(plan, stdout, stderr, err, inherit_stdin=argv is None)
 
-        notes = [*taken.notes]
-        if log_run_dir != errors_only:
-            notes.append(f"log directory: {log_run_dir}")
         if not config.max_restarts:
-            return run_attempt(0, taken.gpus, tuple(notes))
+            return run_attempt(0, 0, taken.gpus, tuple(notes))
         from gpuwarden.launch.attempts import run_attempts
 
         return run_attempts(config, taken.gpus, run_attempt, tuple(notes), err=err)
     finally:
-        taken.release()
+        if agent is not None:
+            agent.close()
+        if taken is not None:
+            taken.release()
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
         if errors_only is not None:
             _drop_if_no_error_file(os.path.dirname(errors_only))
 
 
+class _MultiNode:
+    """A multi-node job on this node: each attempt joins a round of torch's rendezvous (in the
+    node agent), runs its ranks, and settles with the other nodes through the job's store
+    (job_store.py): one first failure and one decision for the whole job."""
+
+    def __init__(self, config: LaunchConfig, agent: NodeAgent, pre: RendezvousPreflight,
+                 run_id: str, gpu_count: int, err: TextIO) -> None:
+        self.config = config
+        self.agent = agent
+        self.pre = pre
+        self.run_id = run_id
+        self.err = err
+        self.local_world_size = rank_count(config, gpu_count)
+        self.round: Round | None = None
+        self.job: JobRound | None = None
+        self.hosting = False
+
+    def run(self, gpus: tuple[GPUSnapshot, ...], notes: list[str], stdout: TextIO | None,
+            stderr: TextIO | None, work: str, log_run_dir: str | None,
+            argv: tuple[str, ...] | None) -> tuple[LaunchReport, RunOutcome]:
+        from gpuwarden.launch.attempts import run_attempts
+        from gpuwarden.launch.rendezvous import connect
+
+        config = self.config
+        self.hosting = connect(self.agent, config, self.pre, run_id=self.run_id,
+                               local_world_size=self.local_world_size)
+
+        def run_attempt(attempt: int, restarts: int, gpus: tuple[GPUSnapshot, ...],
+                        notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
+            from gpuwarden.launch.rendezvous import join_round
+
+            previous = self.round.nodes if self.round is not None else ()
+            # As torch's: the join has its own join_timeout, whatever the wait for the
+            # endpoint to come up took (that wait had its own bound, and said what it waited for).
+            rnd = join_round(self.agent, config, self.err, previous=previous,
+                             timeout_s=config.rdzv_timeout_s)
+            self.round, self.job = rnd, JobRound(self.agent, rnd)
+            restarts, _history = job_history(rnd)
+            round_config = replace(config, nnodes=rnd.group_world_size, min_nodes=None,
+                                   node_rank=rnd.group_rank, master_addr=rnd.master_addr,
+                                   master_port=rnd.master_port)
+            plan = _attempt_plan(round_config, attempt, gpus, run_id=self.run_id, work=work,
+                                 log_run_dir=log_run_dir, argv=argv, restart_count=restarts,
+                                 agent_store=True)
+            for note in (*notes, *(plan.notes if attempt == 0 else ())):
+                print(f"gpuwarden: {note}", file=self.err)
+            return _supervise(plan, stdout, stderr, self.err, inherit_stdin=argv is None,
+                              job=self.job)
+
+        try:
+            report, outcome = run_attempts(config, gpus, run_attempt, tuple(notes), err=self.err,
+                                           settle=self.settle)
+        except KeyboardInterrupt:
+            # Ctrl-C while this node waited for the others: the rendezvous is closed, so the
+            # nodes that joined stop too instead of waiting out join_timeout.
+            self._finish(ok=False, wait_s=0.0)
+            from gpuwarden.errors import LaunchError
+
+            stopped = LaunchError("interrupted (SIGINT) while no rank ran here (waiting for "
+                                  "the other nodes, or between attempts)",
+                                  why="the other nodes see this one leave: the rendezvous is "
+                                  "closed, or torch drops it when its heartbeat expires",
+                                  code="LAUNCH_INTERRUPTED")
+            stopped.exit_code = 130
+            raise stopped from None
+        except BaseException:
+            self._finish(ok=False, wait_s=0.0)
+            raise
+        self._finish(ok=report.ok, wait_s=_DONE_WAIT_S)
+        return report, outcome
+
+    def settle(self, report: LaunchReport, outcome: RunOutcome, policy: RestartPolicy,
+               local: Callable[[], Failure]) -> Settled | None:
+        """This round's end for the whole job; None when the job succeeded here."""
+        from gpuwarden.launch import job_store
+
+        assert self.job is not None and self.round is not None
+        restarts, history = job_history(self.round)
+        if report.ok and outcome.own_record is None and outcome.stopped_for is None:
+            # Every rank here finished of its own accord: the job's work is done on this node
+            # (a node that asked to join only now, or a failure elsewhere after this node's
+            # ranks finished, changes nothing here).
+            self._end_round()
+            return None
+        own = outcome.own_record or job_store.new_record(
+            job_store.ECHO, node=self.round.group_rank, echo=True,
+            what=f"this node's ranks were stopped ({outcome.stopped_for or 'no cause seen here'})")
+        # Only an echo here: the record of a real cause elsewhere, or of a lost node, wins.
+        rec, gone = self.job.first_failure(own, outcome.job_failure)
+        if gone:
+            rec = rec or job_store.new_record(job_store.STORE_LOST, node=self.round.group_rank,
+                                              what="the job's store went away")
+        settled = self.job.settle(rec, local, policy, restarts, history)
+        self._end_round()
+        if rec is not None and not job_store.is_mine(rec):
+            outcome.job_failure = rec
+            report = build_report(outcome)
+        if rec is not None and rec.get("kind") != job_store.MEMBERSHIP:
+            line = f"the job's first failure ({settled.failure.code}): {job_store.describe(rec)}"
+            report.evidence.append(line)
+            report.fields["job_root"] = {"code": settled.failure.code, **{
+                k: rec.get(k) for k in ("kind", "node", "host", "rank", "what")}}
+        settled.report = report
+        return settled
+
+    def _end_round(self) -> None:
+        try:
+            self.agent.call("end_round", timeout_s=30)
+        except AgentError:
+            pass
+
+    def _finish(self, *, ok: bool, wait_s: float) -> None:
+        """The job ended here: the node hosting the store keeps it up until the other nodes
+        ended too (they read the decision from it), saying whom it waits for; then the
+        rendezvous is closed."""
+        tty = self.err.isatty() if hasattr(self.err, "isatty") else False
+        said = [0.0]
+
+        def on_event(event: dict[str, object]) -> None:
+            if event.get("event") != "finishing":
+                return
+            now = time.monotonic()
+            if now - said[0] < (3.0 if tty else 30.0):
+                return
+            said[0] = now
+            waiting = event.get("waiting_for")
+            names = ", ".join(str(n.get("host", "?")) for n in
+                              (waiting if isinstance(waiting, list) else []) if isinstance(n, dict))
+            print(f"gpuwarden: waiting for {names} to finish: the job's store runs on this "
+                  "node", file=self.err, flush=True)
+
+        try:
+            # A join cut short (Ctrl-C) still runs in the agent, which then reads no command:
+            # it is simply ended; torch drops this node once its heartbeat expires.
+            if self.agent.alive() and not self.agent.busy:
+                self.agent.call("done", wait_s=wait_s, timeout_s=wait_s + 60, on_event=on_event)
+        except (AgentError, KeyboardInterrupt):
+            pass
+        del ok
+
+
 def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, ...], *,
                   run_id: str, work: str, log_run_dir: str | None,
-                  argv: tuple[str, ...] | None) -> LaunchPlan:
-    """Attempt ``attempt``'s plan: its own port (a fresh rendezvous), files and log directory."""
-    plan = make_plan(config, gpus, master_port=attempt_port(config, attempt), run_id=run_id,
+                  argv: tuple[str, ...] | None, restart_count: int | None = None,
+                  agent_store: bool = False) -> LaunchPlan:
+    """Attempt ``attempt``'s plan: its own port (a fresh rendezvous), files and log directory.
+    Several nodes: ``config`` is the round's (its node rank, node count and workers' store)."""
+    port = config.master_port if config.multinode or restart_count is not None \
+        else attempt_port(config, attempt)
+    assert port is not None
+    plan = make_plan(config, gpus, master_port=port, run_id=run_id,
                      run_dir=_attempt_dir(work, attempt), supervisor_pid=os.getpid(),
                      python=sys.executable, base_env=os.environ, log_run_dir=log_run_dir,
-                     attempt=attempt)
+                     attempt=attempt, restart_count=restart_count, agent_store=agent_store)
     for spec in plan.ranks:
         # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
         # torchrun's agent creates attempt_<k>/<local rank>/ for every rank, so does this
@@ -103,31 +268,10 @@ def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, .
 
 
 def attempt_port(config: LaunchConfig, attempt: int) -> int:
-    """MASTER_PORT of an attempt. One node: the one given (checked free) or a free one, and a
+    """MASTER_PORT of an attempt on one node: the one given (checked free) or a free one, and a
     fresh free one for every restart, so no rank connects to the old attempt's store. Several
-    nodes: ``--master-port + attempt``, which every node derives alike (the port was checked
-    by the preflight for attempt 0; LaunchConfig refuses --nnodes > 1 without --master-port)."""
-    if config.multinode and config.master_port is not None:
-        return config.master_port + attempt
+    nodes: the node that runs rank 0 picks it for each round (the node agent publishes it)."""
     return choose_port(config if attempt == 0 else replace(config, master_port=None))
-
-
-def _restart_rendezvous(config: LaunchConfig, attempt: int, err: TextIO) -> None:
-    from gpuwarden.errors import RendezvousError
-    from gpuwarden.launch.rendezvous import check_rendezvous
-
-    try:
-        check_rendezvous(replace(config, master_port=attempt_port(config, attempt)),
-                         dict(os.environ), err=err)
-    except RendezvousError as exc:
-        if config.node_rank == 0 or exc.code != "RDZV_CONN_REFUSED":
-            raise
-        raise RendezvousError(
-            f"node 0 did not start attempt {attempt + 1} of {config.max_restarts + 1} within "
-            f"{config.rdzv_timeout_s:g} s (--rdzv-timeout); this node stops too", code=exc.code,
-            why="node 0 ended the job instead of restarting it: its own report says why (the "
-            "same failure twice, no restarts left, or a cause a restart cannot fix)",
-            fix="read node 0's report", evidence=exc.evidence) from None
 
 
 def _attempt_dir(work: str, attempt: int) -> str:
@@ -140,8 +284,10 @@ def _attempt_dir(work: str, attempt: int) -> str:
 
 
 def _supervise(plan: LaunchPlan, stdout: TextIO | None, stderr: TextIO | None,
-               err: TextIO, *, inherit_stdin: bool = True) -> tuple[LaunchReport, RunOutcome]:
-    supervisor = Supervisor(plan, stdout=stdout, stderr=stderr, inherit_stdin=inherit_stdin)
+               err: TextIO, *, inherit_stdin: bool = True,
+               job: JobRound | None = None) -> tuple[LaunchReport, RunOutcome]:
+    supervisor = Supervisor(plan, stdout=stdout, stderr=stderr, inherit_stdin=inherit_stdin,
+                            job=job)
 
     def on_stall(stall: Stall) -> None:
         print(stall_report(supervisor.outcome(stall.detected_at), stall).render()

@@ -9,6 +9,7 @@ Pure (a function of the environment), so tests set the variables exactly as srun
 - MASTER_PORT: ``10000 + SLURM_JOB_ID % 20000``, the same on every node without any exchange and
   the same as :func:`gpuwarden.distributed.detect_world` derives (both call :func:`slurm_master`);
   used only when the job has several nodes: one node picks a free port, as without Slurm;
+- the job's hosts: the whole expanded node list, so that a wait for nodes names the missing ones;
 - ranks per node: ``SLURM_GPUS_ON_NODE`` when the allocation has GPUs (the GPUs themselves come
   from the allocation: :mod:`gpuwarden.visibility` narrows to ``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``).
 
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuwarden.errors import UsageError
-from gpuwarden.nodelist import first_host
+from gpuwarden.nodelist import expand_nodelist, first_host
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SlurmSettings:
     master_addr: str
     master_port: int
     nproc: int | None
+    hosts: tuple[str, ...] = ()  # the step's (else the job's) nodes, in Slurm's order
 
 
 def slurm_int(env: Mapping[str, str], *names: str) -> int | None:
@@ -85,10 +87,13 @@ def slurm_settings(env: Mapping[str, str]) -> SlurmSettings | None:
                          "the ranks itself and must run once per node",
                          fix="srun --ntasks-per-node=1 gpuwarden launch -n RANKS_PER_NODE SCRIPT")
     gpus = slurm_int(env, "SLURM_GPUS_ON_NODE")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") \
+        or env.get("SLURM_NODELIST") or ""
     return SlurmSettings(
         nnodes=nnodes,
         node_rank=slurm_int(env, "SLURM_NODEID") or 0,
         master_addr=master_addr,
         master_port=master_port,
         nproc=gpus if gpus else None,
+        hosts=tuple(expand_nodelist(nodelist)) if nodelist else (),
     )

@@ -6,7 +6,9 @@ It composes the parts that each own one thing:
 - the relay of the ranks' output (below), a rank's stderr tail kept for the report;
 - ``sampler.py`` + ``stall.py``: the ranks' stacks and CPU time sampled now and then, and the
   pure stall decision over them;
-- the multi-node abort protocol (another node's failure, node 0's store gone);
+- the multi-node protocol: this node's first failure offered to the job's store, and a stop
+  when another node's failure, a lost node or a node waiting to join (elastic) is reported by
+  the node agent (``job_store.py``); also the ranks' own abort key in the workers' store;
 - what a rank left behind when it ended: its error record, its fatal-signal dump.
 
 Rules it keeps: the first rank to fail stops all others (SIGTERM, SIGKILL after --grace); a rank
@@ -28,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwarden.launch import control, flight_recorder
 from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
@@ -48,15 +50,17 @@ from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_path
 from gpuwarden.launch.straggler import Straggler, decide_straggler
 from gpuwarden.launch.torch_errors import TorchError, read_torch_error
 
+if TYPE_CHECKING:
+    from gpuwarden.launch.job_store import JobRound
+
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
 STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
-ABORT_SELF_WAIT_S = 1.0  # a failing rank sets the abort key itself within milliseconds
-ABORT_HELPER_WAIT_S = 8.0  # the helper imports torch (1-3 s) and connects with a 5 s bound
 STRAGGLER_PERSIST_S = 4.0  # a straggler named this long (3 samples or more) gets its one line
+_AGENT = "agent"  # the selector's mark of the node agent's pipe
 
 
 @dataclass
@@ -109,7 +113,11 @@ class RunOutcome:
     stall: Stall | None = None
     interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" sent to the supervisor
     peers: PeerView | None = None  # multi-node only
-    stopped_for: str | None = None  # "abort" (another node failed) / "store_lost"
+    # "abort" (another node failed, or was lost), "membership" (nodes wait to join: elastic),
+    # "store_lost" (the job's or the workers' store went away)
+    stopped_for: str | None = None
+    job_failure: dict[str, Any] | None = None  # the round's first failure, as the job's store has it
+    own_record: dict[str, Any] | None = None  # this node's first failure, as offered to it
 
 
 class _Rank:
@@ -129,11 +137,13 @@ class Supervisor:
     """Runs one plan. ``run()`` returns when every rank has ended and every group is reaped."""
 
     def __init__(self, plan: LaunchPlan, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 poll_interval_s: float = 0.05, inherit_stdin: bool = True) -> None:
+                 poll_interval_s: float = 0.05, inherit_stdin: bool = True,
+                 job: JobRound | None = None) -> None:
         self.plan = plan
         # torchrun's ranks read the launcher's stdin (pdb, piped input); spawn()'s, as
         # multiprocessing's children, read nothing.
         self.inherit_stdin = inherit_stdin
+        self.job = job  # multi-node: this round in the job's store (through the node agent)
         self.config = plan.config
         self.out = stdout or sys.stdout
         self.err = stderr or sys.stderr
@@ -165,8 +175,8 @@ class Supervisor:
         self.on_stall: Any = None  # callback(Stall) for --keep-waiting reports
         self.peers: PeerView | None = PeerView() if plan.nnodes > 1 else None
         self._stopped_for: str | None = None
-        self._abort_helper: subprocess.Popen[bytes] | None = None
-        self._abort_decided = False
+        self._job_failure: dict[str, Any] | None = None
+        self._own_record: dict[str, Any] | None = None
         self._peer_mtimes: dict[int, float] = {}
         self._peer_states: dict[int, dict[str, Any]] = {}
         self._started = 0.0  # monotonic, set by run()
@@ -183,6 +193,8 @@ class Supervisor:
     def run(self) -> RunOutcome:
         self._started = time.monotonic()
         self._install_signals()
+        if self.job is not None:
+            self._sel.register(self.job.agent.fileno(), selectors.EVENT_READ, _AGENT)
         try:
             self._control = control.serve(self)
             self._ctx = ProcessContext()
@@ -200,7 +212,8 @@ class Supervisor:
         exits = {r.spec.rank: r.exit for r in self.ranks if r.exit is not None}
         return RunOutcome(self.plan, self._started, now, exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
-                          self._interrupt, self.peers, self._stopped_for)
+                          self._interrupt, self.peers, self._stopped_for, self._job_failure,
+                          self._own_record)
 
     def _start(self, spec: RankSpec) -> None:
         status = StatusReader(spec.files.status)
@@ -265,11 +278,6 @@ class Supervisor:
                         self._check_straggler(now)
                     self._check_placement()
             else:
-                # Two independent steps of a stop: telling the other nodes must never hold
-                # back the SIGKILL of ranks that ignore SIGTERM.
-                if self.peers is not None and not self._abort_decided \
-                        and now - self._stop_began >= ABORT_SELF_WAIT_S:
-                    self._tell_other_nodes()
                 if not self._killed and (self._hurry or now - self._stop_began >= self.config.grace_s):
                     self._killed = True
                     for r in live:
@@ -291,6 +299,7 @@ class Supervisor:
         for r in self.ranks:
             if r.exit is None and r.spec.rank not in self._failing:
                 self._signal(r, sig)
+        self._offer_failure()  # after the signals: it may read the failure's text with explain
 
     def _signal(self, r: _Rank, sig: signal.Signals) -> None:
         """Signal a rank's group: only through the process context, which knows the group is
@@ -365,43 +374,52 @@ class Supervisor:
                 view.store_lost, view.store_lost_at = str(data["store_lost"]), now
         return view
 
-    def _tell_other_nodes(self) -> None:
-        """This node stops of its own accord: set the job's abort key so every node stops.
-        A failing rank sets it itself (compare_set keeps the first), so this waits
-        ABORT_SELF_WAIT_S for the rank's word before it starts a short-lived helper, which
-        covers deaths by signal, stalls and interrupts. Node 0 needs none: its end takes the
-        store down, which the other nodes notice."""
-        if self.peers is None or self._abort_decided:
+    def _offer_failure(self) -> None:
+        """This node stops of its own accord (a rank failed, a stall, an interrupt), or its
+        last rank failed: offer its first failure as the job's (the first node to write it
+        wins; an echo waits for a real cause elsewhere: job_store.py)."""
+        if self.job is None or self._stopped_for is not None or self._own_record is not None:
             return
-        # Decided once, whatever the answer: node 0 and a node told to stop send nothing.
-        self._abort_decided = True
-        if self._stopped_for is not None or self.plan.node_rank == 0:
+        failed = any(r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher
+                     for r in self.ranks)
+        if not (failed or self._failing or self._stall is not None or self._interrupt):
             return
-        if self._read_peers(time.monotonic()).abort_sent or not self.peers.reader_connected:
-            return  # already told, or the store was never reached: nobody to tell
-        # Ranks that failed of their own accord: not those this node stopped (their SIGTERM
-        # deaths are its doing), which would otherwise name the wrong rank to the other nodes.
-        failing = sorted(self._failing | {r.spec.rank for r in self.ranks if r.exit is not None
-                                          and r.exit.failed and not r.exit.stopped_by_launcher})
-        if failing:
-            spec = self.plan.spec(failing[0])
-            err = _read_json(spec.files.error) if spec is not None else None
-            what = f"{err.get('type')}: {err.get('message')}" if err else f"rank {failing[0]} failed"
-        elif self._interrupt:
-            what = f"gpuwarden received {self._interrupt}"
-        else:
-            what = "ranks stalled"
-        record = {"rank": failing[0] if failing else -1, "node": self.plan.node_rank,
-                  "host": socket.gethostname(), "pid": os.getpid(), "what": what,
-                  "time": time.time(), "from": "launcher"}
-        with contextlib.suppress(OSError):
-            self._abort_helper = subprocess.Popen(
-                [sys.executable, "-m", "gpuwarden.launch._store_watch", "--abort",
-                 self.plan.master_addr, str(self.plan.master_port), json.dumps(record)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, close_fds=True)
-            if self._ctx is not None:
-                self._ctx.track(self._abort_helper.pid)
+        self._own_record = self._local_record()
+        if not self._own_record.get("echo"):
+            self.job.publish(self._own_record)
+
+    def _agent_events(self) -> None:
+        """What the node agent saw in the job's store: another node's first failure, a node
+        lost, nodes waiting to join, the store gone: each stops this node's ranks."""
+        assert self.job is not None
+        if self.job.agent.eof:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(self.job.agent.fileno())  # the agent exited
+        for stop_for, rec in self.job.poll():
+            if rec is not None:
+                self._job_failure = self._job_failure or rec
+            if stop_for == "store_lost" and self.peers is not None and self.peers.store_lost is None:
+                self.peers.store_lost = "the job's store went away"
+            if stop_for is not None and self._stop_began is None:
+                self._stopped_for = stop_for
+                self._begin_stop()
+
+    def _local_record(self) -> dict[str, Any]:
+        """This node's first failure as a record for the job's store (job_store.py)."""
+        from gpuwarden.launch import job_store
+
+        failed = []
+        for r in self.ranks:
+            if r.spec.rank in self._failing or (
+                    r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher):
+                failed.append(job_store.RankFailure(
+                    r.spec.rank, _read_json(r.spec.files.error) or {},
+                    r.exit.returncode if r.exit is not None else None,
+                    list(r.relay.stderr_tail), _read_text(r.spec.files.fatal),
+                    r.exit.ended_at if r.exit is not None else time.monotonic()))
+        return job_store.local_record(self.plan.node_rank, failed, interrupt=self._interrupt,
+                                      stall=self._stall,
+                                      stall_timeout_s=self.config.stall_timeout_s)
 
     def _reap_exited(self) -> None:
         for r in self.ranks:
@@ -432,18 +450,14 @@ class Supervisor:
         # Anything left in a rank's group (its own children) goes now, with a bounded reap.
         if self._ctx is not None:
             self._ctx.kill_and_reap([r.proc for r in self.ranks])
-        if self._stop_began is not None:
-            self._tell_other_nodes()
-        if self._abort_helper is not None:
-            try:
-                self._abort_helper.wait(ABORT_HELPER_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self._abort_helper.kill()
-                self._abort_helper.wait()
+        if self.job is not None:
+            self._offer_failure()  # the last rank failed: no stop was needed, say it anyway
+            # Events that came after the last look (the round's record, most often).
+            self._agent_events()
         if self._ctx is not None:
             self._ctx.close()  # adopted orphans (daemons of the ranks) go too
         for key in list(self._sel.get_map().values()):
-            self._sel.unregister(key.fd)
+            self._sel.unregister(key.fd)  # the node agent's pipe too (it outlives the round)
         self._sel.close()
         for r in self.ranks:
             r.stdio.close()
@@ -468,6 +482,9 @@ class Supervisor:
                 continue
             if key.data is self.calls:  # a status/stacks request: run_pending() follows
                 self.calls.clear_wakeups()
+                continue
+            if key.data is _AGENT:
+                self._agent_events()
                 continue
             rank, is_err = key.data
             got = True
