@@ -122,6 +122,28 @@ def test_text_report_lists_every_check_and_a_summary(capsys: pytest.CaptureFixtu
     assert "1 failed," in out.splitlines()[-1]
 
 
+def test_doctor_and_launch_agree_on_a_gpu_another_job_uses(capsys: pytest.CaptureFixture[str],
+                                                          scenario: Any, lease_dir: Path) -> None:
+    scenario("example")  # GPU 1 idle; GPU 0 runs bob's job
+    assert main(["doctor", "--nproc", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] nproc" in out and "1 of 4 visible are usable" in out
+    assert main(["launch", "-n", "2", "--", __file__]) == 4  # refused before any rank starts
+    assert "2 rank(s) need 2 GPU(s)" in capsys.readouterr().err
+    assert main(["doctor", "--nproc", "1"]) == 0
+
+
+def test_a_garbage_scenario_is_bad_input_for_doctor_as_for_ls(
+        capsys: pytest.CaptureFixture[str], scenario: Any, tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    scenario(garbage)
+    for command in (["ls"], ["doctor"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error[SCENARIO_INVALID]") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("args", [["--master-port", "70000"], ["--nproc", "0"],
                                   ["--nnodes", "x"], ["--bogus"]])
 def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:

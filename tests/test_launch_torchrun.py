@@ -125,10 +125,16 @@ def test_torchrun_settings_gpuwarden_cannot_honour_are_refused(argv: list[str], 
     assert words in info.value.what and info.value.exit_code == 2
 
 
-def test_unknown_flag_gets_launchs_usage_and_the_nearest_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_flag_gets_one_line_naming_launch_and_the_nearest_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = launch(capsys, "--tea", "3", BEHAVE)
-    assert code == 2 and "usage: gpuwarden launch" in err and "did you mean --tee?" in err
-    assert "COMMAND" not in err  # not the top-level usage
+    assert code == 2 and err.startswith("error[USAGE]: gpuwarden launch: unrecognized argument")
+    assert "did you mean --tee?" in err and err.count("\n") == 1  # not 27 lines of usage
+    # other launchers' flags point at ours, and a near miss at the flag sharing its start
+    for flag, meant in (("--nprocs", "--nproc-per-node"), ("--num_processes", "--nproc-per-node"),
+                        ("--nproc_per_nodes", "--nproc-per-node"), ("--num-gpus", "--gpus")):
+        code, _out, err = launch(capsys, flag, "2", BEHAVE)
+        assert code == 2 and f"did you mean {meant}?" in err, err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["launch", "--help"])
     assert "--standalone" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
+from gpuwarden.cli._args import add_simulate_arg
 from gpuwarden.cli._output import emit_json
 from gpuwarden.errors import UsageError
 
@@ -42,6 +43,7 @@ def add_parser(sub: Any) -> None:
                    "(default: $MASTER_PORT)")
     p.add_argument("--nnodes", type=_positive, default=1, metavar="N",
                    help="number of nodes of the job; >1 makes loopback names failures (default 1)")
+    add_simulate_arg(p)
     p.set_defaults(run=run)
 
 
@@ -77,9 +79,20 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.doctor.probes import Probes
 
     inventory = inventory_of(args)
+    bad_input: list[UsageError] = []
+
+    def read_host(_env: Any) -> Any:
+        try:
+            return inventory.read_host()
+        except UsageError as exc:  # a broken scenario file is bad input, not "no driver"
+            bad_input.append(exc)
+            raise
+
     report = run_doctor(Options(nproc=args.nproc, master_addr=args.master_addr,
                                 master_port=args.master_port, nnodes=args.nnodes),
-                        Probes(read_host=lambda env: inventory.read_host()))
+                        Probes(read_host=read_host))
+    if bad_input:  # as `gpuwarden ls` does: one line, exit 2
+        raise bad_input[0]
     if args.json:
         emit_json(report.to_dict())
     else:

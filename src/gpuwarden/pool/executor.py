@@ -167,7 +167,9 @@ class GPUPool(Executor):
         exit_timeout_s: float = EXIT_TIMEOUT_S,
     ) -> None:
         if workers_per_gpu is not None and workers_per_gpu < 1:
-            raise UsageError(f"workers_per_gpu={workers_per_gpu}: must be at least 1")
+            raise UsageError(f"workers_per_gpu={workers_per_gpu}: must be at least 1",
+                             fix="workers_per_gpu=1 or more, or None to spread max_workers "
+                             "over the GPUs")
         # None: as many per GPU as it takes to run max_workers workers on the GPUs taken.
         spread = workers_per_gpu is None
         per_gpu = 1 if workers_per_gpu is None else workers_per_gpu
@@ -175,13 +177,16 @@ class GPUPool(Executor):
             raise UsageError(f"start_method={start_method!r} is not one of {START_METHODS}",
                              fix="'forkserver' (fast starts, preloads once) or 'spawn'")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
-            raise UsageError(f"memory_fraction={memory_fraction}: must be in (0, 1]")
+            raise UsageError(f"memory_fraction={memory_fraction}: must be in (0, 1]",
+                             fix="a fraction of the GPU, e.g. 0.45 with two workers per GPU")
         if max_workers is not None and max_workers < 1:
-            raise UsageError(f"max_workers={max_workers}: must be at least 1")
+            raise UsageError(f"max_workers={max_workers}: must be at least 1",
+                             fix="max_workers=1 or more, or None for every GPU's workers")
         from gpuwarden.pool.gpus import TakenGPUs, take_gpus
 
         if isinstance(gpus, bool) or (isinstance(gpus, int) and gpus < 0):
-            raise UsageError(f"gpus={gpus!r}: expected 'auto', a count >= 0, or a list of ids")
+            raise UsageError(f"gpus={gpus!r}: expected 'auto', a count >= 0, or a list of ids",
+                             fix="gpus='auto', gpus=2 or gpus=[0, 3]")
         if gpus == 0:
             # An explicit CPU pool, whatever the host has: no NVML read, no lease, no warning.
             taken = TakenGPUs((), _no_release)
