@@ -434,7 +434,12 @@ def run(args: argparse.Namespace) -> int:
                      "torchelastic events")
     for note in notes:
         print(f"gpuwarden: {note}", file=sys.stderr)
-    report, _outcome = launch(config, inventory=inventory_of(args))
+    try:
+        report, _outcome = launch(config, inventory=inventory_of(args))
+    except KeyboardInterrupt:  # once ranks run, the supervisor handles Ctrl-C itself
+        print("gpuwarden: interrupted before any rank started (waiting for GPUs, or checking "
+              "the rendezvous); nothing was leased or left running", file=sys.stderr)
+        return 130
     if not report.ok or not args.quiet:
         from gpuwarden.findings import emit
 
