@@ -128,3 +128,24 @@ def test_other_users_command_lines_are_escaped(capsys: pytest.CaptureFixture[str
         assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, argv
         assert not any(line.startswith("error[FORGED]") for line in text.splitlines()), argv
         assert "\\x1b[2J" in text, argv
+
+
+def test_every_scenario_field_and_json_key_is_documented(capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    root = Path(__file__).resolve().parents[1]
+    parser = (root / "src/gpuwarden/inventory/simulated.py").read_text()
+    fields = set(re.findall(r'\.get\("(\w+)"', parser))
+    scenarios_doc = (root / "docs/scenarios.md").read_text()
+    assert fields and not [f for f in fields if f"`{f}`" not in scenarios_doc]
+    inventory_doc = (root / "docs/inventory.md").read_text()
+    keys: set[str] = set()
+    for name in ("sick", "mig", "example"):
+        _, out, _ = ls(capsys, "--simulate", name, "--json")
+        data = json.loads(out)
+        keys |= set(data) | set(data["host"])
+        for g in data["gpus"]:
+            keys |= set(g) | set(g["health"])
+            for m in g["mig_devices"]:
+                keys |= set(m) | {k for p in m["processes"] for k in p}
+            keys |= {k for p in g["processes"] for k in p}
+    assert not [k for k in keys if f"`{k}`" not in inventory_doc]

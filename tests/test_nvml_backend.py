@@ -387,3 +387,20 @@ def test_a_process_on_a_gpu_gets_its_host_memory_cpu_time_and_age() -> None:
     assert me.cpu_time_s is not None and me.cpu_time_s > 0
     assert me.elapsed_s is not None and me.elapsed_s >= 0
     assert gone.note == EXITED and gone.host_memory_rss_bytes is None
+
+
+def test_host_stats_a_process_hides_are_unknown() -> None:
+    import psutil
+
+    class Hidden:  # another user's process under hidepid: its pid answers, its details do not
+        def memory_info(self) -> object:
+            raise psutil.AccessDenied(1)
+
+        def cpu_times(self) -> object:
+            raise psutil.AccessDenied(1)
+
+        def create_time(self) -> float:
+            raise psutil.NoSuchProcess(1)
+
+    assert nvml_backend._host_stats(Hidden()) == {
+        "host_memory_rss_bytes": None, "cpu_time_s": None, "elapsed_s": None}

@@ -312,9 +312,21 @@ def _cpu(p: GPUProcess, pct: Mapping[int, float] | None) -> str:
     return "?" if p.cpu_time_s is None else format_duration(p.cpu_time_s)
 
 
+# Readings a host may lack altogether (a scenario without them, a board without the sensors,
+# processes of other users under hidepid): a column with nothing known is left out.
+_OPTIONAL_COLUMNS = ("temp", "power", "cpu", "%CPU", "host mem", "age")
+
+
 def _align(head: list[str], rows: list[list[str]], width: int, *, flex: int) -> list[str]:
     """Columns padded to their widest cell; the ``flex`` column is cut so a line fits ``width``
     (never below its heading), and a last column is never padded."""
+    flex_name = head[flex]
+    unknown = [i for i, name in enumerate(head) if name in _OPTIONAL_COLUMNS
+               and all(r[i] in ("?", "") for r in rows)]
+    if unknown:
+        head = [c for i, c in enumerate(head) if i not in unknown]
+        rows = [[c for i, c in enumerate(r) if i not in unknown] for r in rows]
+        flex = head.index(flex_name)
     cols = len(head)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(cols)]
     overflow = sum(widths) + 2 * (cols - 1) - width
