@@ -90,3 +90,17 @@ def test_launch_wait_says_what_it_waits_for(capsys: pytest.CaptureFixture[str],
     assert "gpuwarden: waiting for 1 GPU (0 of 2 free now): GPU0 leased by pid" in err
     assert "error[LEASE_TIMEOUT]" in err or "error[SELECT_UNSATISFIED]" in err
     assert list_leases().holders == ()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["launch", "--min-free", "99999999999999999999GiB", "x.py"], "--min-free 99999999999999999999GiB: more memory"),
+    (["launch", "--nprocs", "2", "x.py"], "did you mean --nproc-per-node?"),
+    (["worker", "--workers-per-gpu", "0", "tcp://127.0.0.1:8786"], "--workers-per-gpu 0: must be 1 or more"),
+    (["worker", "--min-free", "9999999999GiB", "tcp://127.0.0.1:8786"], "more memory than any GPU"),
+])
+def test_usage_errors_name_the_flag_and_the_fix(capsys: pytest.CaptureFixture[str],
+                                                argv: list[str], words: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error[USAGE]: ") and words in err and "; fix: " in err
+    assert err.count("\n") == 1

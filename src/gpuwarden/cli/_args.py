@@ -19,6 +19,22 @@ from gpuwarden.errors import UsageError
 MAX_SLOTS_PER_GPU = 64
 
 
+# No GPU has this much memory (the largest have a few hundred GiB): a larger --min-free is a
+# typo, refused as one instead of being judged against every GPU.
+MAX_MIN_FREE_BYTES = 2**50  # 1 PiB
+
+
+def min_free_bytes(text: str, *, flag: str = "--min-free") -> int:
+    """``--min-free SIZE`` in bytes; a size no GPU could have free is a usage error."""
+    from gpuwarden.units import parse_size
+
+    value = parse_size(text, what=flag)
+    if value > MAX_MIN_FREE_BYTES:
+        raise UsageError(f"{flag} {text[:40]}: more memory than any GPU has (over 1 PiB)",
+                         fix=f"give the free memory one GPU needs, e.g. {flag} 20GiB")
+    return value
+
+
 def bounded_int(flag: str, lo: int, hi: int | None = None, *, fix: str | None = None
                 ) -> Callable[[str], int]:
     """An argparse ``type`` for an integer in ``lo..hi`` (``hi`` None: no upper bound)."""

@@ -214,8 +214,9 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from gpuwarden.cli._args import min_free_bytes
     from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STOP_SIGNALS, LaunchConfig
-    from gpuwarden.units import parse_duration, parse_size
+    from gpuwarden.units import parse_duration
 
     if args.logs_specs:
         raise UsageError(f"--logs-specs {args.logs_specs}: custom torchrun LogsSpecs are not "
@@ -276,7 +277,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         cpu=cpu,
         share=args.share,
         bind=bind,
-        min_free_bytes=parse_size(args.min_free, what="--min-free"),
+        min_free_bytes=min_free_bytes(args.min_free),
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,
         stall_timeout_s=parse_duration(args.stall_timeout, what="--stall-timeout"),
         keep_waiting=args.keep_waiting,

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpuwarden.cli._args import add_simulate_arg, count_or_all
+from gpuwarden.cli._args import add_simulate_arg, count_or_all, min_free_bytes
 from gpuwarden.cli._output import emit_json, is_terminal, note
 from gpuwarden.errors import EXIT_CONSTRAINT, UsageError
 
@@ -33,16 +33,9 @@ def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, .
                    help="never pick these GPUs (comma-separated indices or UUIDs)")
 
 
-# No GPU has this much memory (the largest have a few hundred GiB): a larger --min-free is a
-# typo, refused as one instead of being judged against every GPU.
-MAX_MIN_FREE_BYTES = 2**50  # 1 PiB
-
-
 def constraints_from_args(args: argparse.Namespace) -> Constraints:
     """The Constraints the flags describe; ``count`` is 1 for ``-n all`` (see wants_all)."""
     from gpuwarden.select import Constraints, parse_gpu_ids
-    from gpuwarden.units import parse_size
-
     count = getattr(args, "count", 1)
     if count == "all":
         count = 1
@@ -50,14 +43,9 @@ def constraints_from_args(args: argparse.Namespace) -> Constraints:
         raise UsageError(f"-n {count}: the number of GPUs must be at least 1", fix="give -n 1 or more")
     if args.max_util is not None and not 0 <= args.max_util <= 100:
         raise UsageError(f"--max-util {args.max_util} is not a percentage", fix="give 0..100")
-    min_free = parse_size(args.min_free, what="--min-free")
-    if min_free > MAX_MIN_FREE_BYTES:
-        raise UsageError(f"--min-free {args.min_free[:40]}: more memory than any GPU has "
-                         "(over 1 PiB)",
-                         fix="give the free memory one GPU needs, e.g. --min-free 20GiB")
     return Constraints(
         count=count,
-        min_free_bytes=min_free,
+        min_free_bytes=min_free_bytes(args.min_free),
         max_util_pct=args.max_util,
         allow_shared=args.allow_shared,
         include=parse_gpu_ids(args.include, what="--include"),

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from gpuwarden.cli._args import bounded_int
+from gpuwarden.cli._args import bounded_int, min_free_bytes
 from gpuwarden.cli._output import note
 from gpuwarden.errors import EXIT_OK, UsageError
 
@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--workers-per-gpu", type=bounded_int("--workers-per-gpu", 1), default=1,
                    metavar="K",
                    help="Dask workers per GPU (default 1); each GPU is leased whole")
-    p.add_argument("--min-free", default=None, metavar="SIZE",
+    p.add_argument("--min-free", default=None, metavar="SIZE", type=_min_free,
                    help="minimum free memory per GPU, e.g. 20GiB")
     p.add_argument("--allow-shared", action="store_true",
                    help="accept GPUs that already run other processes (default compute mode)")
@@ -53,6 +53,11 @@ def add_parser(sub: Any) -> None:
                    help="no GPU, no lease: N x K CPU workers (N from --gpus, 1 for all), to test a set-up")
     p.add_argument("-v", "--verbose", action="store_true", help="Dask's own INFO logs")
     p.set_defaults(run=run)
+
+
+def _min_free(text: str) -> str:
+    min_free_bytes(text)  # checked here, in the flag's own words; the library parses it again
+    return text
 
 
 def _gpus(text: str) -> int | str:
