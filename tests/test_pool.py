@@ -345,3 +345,29 @@ def test_refusal_by_the_callers_own_pool_says_so(two_gpus, no_leftover_processes
     assert "this process's own pools hold GPUs" in error.what
     assert "shutdown_reusable_pool()" in (error.fix or "")
     assert any(f"pid {os.getpid()}" in e for e in error.evidence)
+
+
+def test_a_fork_waits_for_a_worker_start_in_flight() -> None:
+    # A fork inside Popen's window copied Popen's error pipe into the forked child and the pool's
+    # start waited for that pipe's end forever (joblib's suite, a Manager forked beside a pool).
+    import threading
+
+    from gpuwarden.pool import _launch
+
+    forked = threading.Event()
+
+    def fork() -> None:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        forked.set()
+
+    with _launch._START_LOCK:  # a worker start in flight
+        thread = threading.Thread(target=fork)
+        thread.start()
+        assert not forked.wait(0.3), "the fork went ahead during the start"
+    assert forked.wait(10), "the fork did not go ahead after the start"
+    thread.join()
+    assert _launch._START_LOCK.acquire(timeout=1)  # released in the parent after the fork
+    _launch._START_LOCK.release()

@@ -14,6 +14,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -23,6 +24,16 @@ from gpuwarden.errors import PoolBrokenError
 from gpuwarden.pool import _forkserver
 
 EXIT_WAIT_S = 5.0
+
+# The manager thread starts processes while the caller's own threads may fork (joblib's own
+# tests start a multiprocessing Manager next to a running pool). A fork inside Popen's window
+# copies Popen's error pipe into the forked child, which keeps its write end open for as long
+# as it lives, and Popen then waits for that pipe's end forever (seen in the joblib suite on a
+# loaded machine). So a fork waits for a start in flight, and a start for a fork in flight.
+# Popen without preexec_fn does not run these at-fork hooks itself.
+_START_LOCK = threading.Lock()
+os.register_at_fork(before=_START_LOCK.acquire, after_in_parent=_START_LOCK.release,
+                    after_in_child=_START_LOCK.release)
 
 
 class Launcher(Protocol):
@@ -60,11 +71,12 @@ class SpawnLauncher:
         parent, child = _socketpair()
         full_env = {**os.environ, **env}
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "gpuwarden.pool._worker", str(child.fileno()),
-                 str(os.getpid())],
-                env=full_env, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-            )
+            with _START_LOCK:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "gpuwarden.pool._worker", str(child.fileno()),
+                     str(os.getpid())],
+                    env=full_env, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                )
         finally:
             child.close()
         self._popens[popen.pid] = popen
@@ -107,11 +119,12 @@ class ForkServerLauncher:
         # The server must not pick a GPU for anyone: each worker sets its own.
         env.pop("CUDA_VISIBLE_DEVICES", None)
         try:
-            self._popen = subprocess.Popen(
-                [sys.executable, "-m", "gpuwarden.pool._forkserver", str(child.fileno()),
-                 str(os.getpid())],
-                env=env, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-            )
+            with _START_LOCK:
+                self._popen = subprocess.Popen(
+                    [sys.executable, "-m", "gpuwarden.pool._forkserver", str(child.fileno()),
+                     str(os.getpid())],
+                    env=env, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                )
         finally:
             child.close()
         self._sock = parent
