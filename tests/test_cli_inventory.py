@@ -162,3 +162,16 @@ def test_cli_imports_no_heavy_modules() -> None:
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_select_says_when_cuda_stops_at_an_invalid_entry(scenario, capsys, monkeypatch) -> None:
+    scenario("example")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,x,2")
+    code, out, err = run(capsys, "select", "-n", "1")
+    assert code == 0 and out == "1\n"
+    assert "entry 'x' is not a device index; CUDA stops at the first invalid entry, so only " \
+        "the first 1 entry of the list is visible" in err
+    code, out, _ = run(capsys, "select", "-n", "1", "--json")
+    assert "entry 'x'" in json.loads(out)["notes"][0]
+    code, _, err = run(capsys, "select", "-n", "2")  # GPU 2 was cut off: only GPU 1 is visible
+    assert code == 4 and "entry 'x'" in err

@@ -196,7 +196,7 @@ def test_shell_exit_code_and_die_with_parent_as_a_preexec_fn():
 @pytest.mark.parametrize(("argv", "code", "words"), [
     (["--wait", "1m", "--", "nosuchcommand-29"], 2, "command not found: 'nosuchcommand-29' is not on PATH"),
     (["--wait", "1m", "--", "/etc/passwd"], 2, "'/etc/passwd' is not executable"),
-    (["--include", "9", "--wait", "3s", "--", "true"], 2, "--include 9: no visible GPU is '9'"),
+    (["--include", "9", "--wait", "1m", "--", "true"], 2, "--include 9: no visible GPU is '9'"),
     (["--gpus", "3", "--wait", "1m", "--", "true"], 4, "at most 2 of 2 could ever be usable"),
     (["--min-free", "90GiB", "--wait", "1m", "--", "true"], 4, "too small for --min-free 90.0 GiB"),
     (["--min-free", "99999999999999999999999999999GiB", "--", "true"], 2, "more memory than any GPU"),
@@ -210,7 +210,8 @@ def test_run_refuses_at_once_what_no_wait_could_serve(scenario, lease_dir, capfd
     started = time.monotonic()
     assert main(["run", *argv]) == code
     err = capfd.readouterr().err
-    assert time.monotonic() - started < 2.0, "checked before waiting in line"
+    # every case that waits would wait a minute: 20 s is a bound a loaded machine keeps
+    assert time.monotonic() - started < 20, "checked before waiting in line"
     assert words in err and "waiting for" not in err
     assert list_leases().holders == () and list_leases().tickets == ()
 

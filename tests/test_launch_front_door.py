@@ -40,7 +40,7 @@ def test_an_absurd_rank_count_is_refused_in_one_line(capsys: pytest.CaptureFixtu
     assert main(["launch", "-n", "100000", sleeper]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error[USAGE]: -n 100000: more ranks than one node runs (at most 1024)")
-    assert err.count("\n") == 1 and time.monotonic() - started < 2
+    assert err.count("\n") == 1 and time.monotonic() - started < 20  # no rank was started
 
 
 @pytest.mark.timeout(60)
