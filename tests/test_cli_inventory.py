@@ -148,12 +148,20 @@ def test_console_script_version_and_speed() -> None:
     env = dict(os.environ, GPUWARDEN_SIMULATE=str(SCENARIOS / "idle8.json"))
     out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("gpuwarden ")
-    start = time.monotonic()
+    import resource
+
+    def children_cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    before, start = children_cpu_s(), time.monotonic()
     res = subprocess.run([str(exe), "ls", "--json"], capture_output=True, text=True, env=env)
-    elapsed = time.monotonic() - start
+    cpu, elapsed = children_cpu_s() - before, time.monotonic() - start
     assert res.returncode == 0 and len(json.loads(res.stdout)["gpus"]) == 8
-    # "well under a second" on an 8-GPU host, with a wide margin for a loaded CI box
-    assert elapsed < 2.0
+    # "well under a second" on an 8-GPU host, interpreter start included: judged by the CPU the
+    # command used, which a loaded machine does not stretch as it stretches wall time; the wall
+    # bound only says it never waits for anything
+    assert cpu < 1.0 and elapsed < 15, (cpu, elapsed)
 
 
 def test_cli_imports_no_heavy_modules() -> None:

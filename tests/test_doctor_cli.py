@@ -31,6 +31,9 @@ FAILURE_CODES = {
     "RDZV_WORKERS_MISSING",
 }
 RANK = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+# A doctor run, interpreter start included, answers within this on a loaded 2-core machine: its
+# network probes are cut at 3 s; a hang would run into the 50 s subprocess timeout.
+ANSWER_S = 15.0
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
@@ -75,7 +78,7 @@ def test_doctor_json_on_this_machine_is_valid_and_fast() -> None:
     checks = validate(json.loads(out), rc)
     assert any("torch 2." in e for e in checks["torch_cuda_build"]["evidence"])
     assert checks["shm_dataloader"]["status"] in ("ok", "warn", "fail")
-    assert wall < 5.0, f"doctor took {wall:.1f} s"
+    assert wall < ANSWER_S, f"doctor took {wall:.1f} s"
     if not real_gpu_present():
         # No GPU and a CPU-only torch: nothing can fail, GPU checks are skipped.
         assert rc == 0
@@ -98,7 +101,7 @@ def test_doctor_on_the_example_scenario() -> None:
     assert "GPU 2: exclusive_process, held by pid 5151 (carol, python eval.py)" in mode["evidence"]
     assert any(e.startswith("GPU 3: prohibited") for e in mode["evidence"])
     assert any("pid 4242 (bob" in e for e in checks["gpu_memory"]["evidence"])
-    assert wall < 5.0
+    assert wall < ANSWER_S
 
 
 def test_unresolvable_master_addr_fails_the_doctor_within_budget() -> None:
@@ -107,7 +110,7 @@ def test_unresolvable_master_addr_fails_the_doctor_within_budget() -> None:
     checks = validate(json.loads(out), rc)
     assert rc == 1
     assert (checks["master_addr"]["status"], checks["master_addr"]["code"]) == ("fail", "RDZV_DNS")
-    assert wall < 5.0
+    assert wall < ANSWER_S
 
 
 def test_text_report_lists_every_check_and_a_summary(capsys: pytest.CaptureFixture[str],
