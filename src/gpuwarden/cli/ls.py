@@ -219,7 +219,7 @@ def render(view: View, width: int = DEFAULT_WIDTH) -> list[str]:
         lines.extend("    " + _cut(w, width - 4) for w in extra.get(i, ()))
     procs = _process_rows(view)
     if procs:
-        cpu_head = "%CPU" if view.cpu_pct is not None else "cpu"
+        cpu_head = "%CPU" if view.cpu_pct is not None else "cpu time"
         lines.append("")
         lines.extend(_align(["GPU", "pid", "user", "GPU mem", cpu_head, "host mem", "age",
                              "command"], procs, width, flex=7))
@@ -314,7 +314,7 @@ def _cpu(p: GPUProcess, pct: Mapping[int, float] | None) -> str:
 
 # Readings a host may lack altogether (a scenario without them, a board without the sensors,
 # processes of other users under hidepid): a column with nothing known is left out.
-_OPTIONAL_COLUMNS = ("temp", "power", "cpu", "%CPU", "host mem", "age")
+_OPTIONAL_COLUMNS = ("temp", "power", "cpu time", "%CPU", "host mem", "age")
 
 
 def _align(head: list[str], rows: list[list[str]], width: int, *, flex: int) -> list[str]:
@@ -332,7 +332,7 @@ def _align(head: list[str], rows: list[list[str]], width: int, *, flex: int) -> 
     overflow = sum(widths) + 2 * (cols - 1) - width
     if overflow > 0:
         widths[flex] = max(len(head[flex]), widths[flex] - overflow)
-    right = {"util", "memory", "GPU mem", "%CPU", "cpu", "host mem", "age", "temp", "power"}
+    right = {"util", "memory", "GPU mem", "%CPU", "cpu time", "host mem", "age", "temp", "power"}
     out = []
     for row in [head, *rows]:
         cells = []
