@@ -163,18 +163,21 @@ def test_doctor_never_imports_torch_or_cuda_in_its_own_process() -> None:
 
 # --- torch's view: version file for CPU builds, a real subprocess otherwise --------------------
 
+@pytest.mark.timeout(150)
 def test_torch_probe_subprocess_agrees_with_the_version_file() -> None:
     import torch  # the test process may import it; the doctor's own process never does
 
     from gpuwarden.doctor.probes import query_torch, read_torch_build
 
     static = read_torch_build()
-    probed = query_torch(always_import=True)
-    assert probed.imported and probed.installed and not static.imported
+    # The doctor gives `import torch` 20 s, which a 2-core machine loaded by other test suites
+    # did not keep; this test is about what the probe reports, not how fast torch imports.
+    probed = query_torch(always_import=True, timeout_s=100)
+    assert probed.imported and probed.installed and not static.imported, probed.error
     assert probed.version == static.version == torch.__version__
     assert probed.cuda == static.cuda == torch.version.cuda
     assert probed.cuda_compiled == static.cuda_compiled
-    assert probed.elapsed_s < 30
+    assert probed.elapsed_s < 100
 
 
 def test_torch_probe_is_bounded_and_reports_a_missing_torch(tmp_path: Path) -> None:

@@ -130,6 +130,13 @@ class GroupReaper:
             except OSError:
                 pass
 
+    def fileno(self) -> int:
+        """The write end of the watcher's input (-1 once closed). A child may write its own
+        ``+PGID`` line there before it execs (one write, atomic in a pipe): then its group is
+        known to the watcher before any of its code runs, however soon the owner dies."""
+        stdin = self._proc.stdin
+        return -1 if stdin is None or stdin.closed else stdin.fileno()
+
     def add(self, pgid: int) -> None:
         self._tell(f"+{pgid}")
 

@@ -176,19 +176,21 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
     """
     # The reaper first: it kills the command's group if gpuwarden itself is SIGKILLed. Started
     # after the command, a kill during its start-up (~20 ms) left the command's children alive:
-    # PDEATHSIG reaches only the direct child. Now the window is Popen's return to add().
+    # PDEATHSIG reaches only the direct child.
     reaper = GroupReaper()
     try:
         # Its own process group, and death with gpuwarden: the lease ends with gpuwarden,
         # so must the command's use of the GPUs. (Other threads, lease watchers, may exist
         # at the fork: the preexec_fn makes system calls only, see procs.die_with_parent.)
-        parent = os.getpid()
+        # The child names its group to the reaper itself before it execs: registered from
+        # here, after Popen returns, a SIGKILL in between (a wide window on a loaded machine)
+        # left the command's own children running.
+        setup = partial(_own_group_known_to_reaper, os.getpid(), reaper.fileno(),
+                        sys.version_info < (3, 11))
         if sys.version_info >= (3, 11):
-            child = subprocess.Popen(list(cmd), env=env, process_group=0, preexec_fn=partial(
-                die_with_parent, parent, exit_code=128 + signal.SIGKILL))
+            child = subprocess.Popen(list(cmd), env=env, process_group=0, preexec_fn=setup)
         else:
-            child = subprocess.Popen(list(cmd), env=env,
-                                     preexec_fn=partial(_setpgid_then_die_with_parent, parent))
+            child = subprocess.Popen(list(cmd), env=env, preexec_fn=setup)
     except FileNotFoundError as exc:
         reaper.close()
         raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
@@ -217,9 +219,15 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
     return shell_exit_code(returncode)
 
 
-def _setpgid_then_die_with_parent(parent: int) -> None:
-    # Python 3.10 has no Popen(process_group=...): the same two system calls, by hand.
-    os.setpgid(0, 0)
+def _own_group_known_to_reaper(parent: int, reaper_fd: int, set_group: bool) -> None:
+    """The command's preexec_fn (system calls only): its own group (by hand on Python 3.10,
+    which has no Popen(process_group=...)), named to the reaper in one atomic write, and
+    death with gpuwarden."""
+    if set_group:
+        os.setpgid(0, 0)
+    if reaper_fd >= 0:
+        with contextlib.suppress(OSError):
+            os.write(reaper_fd, b"+%d\n" % os.getpid())
     die_with_parent(parent, exit_code=128 + signal.SIGKILL)
 
 
