@@ -79,6 +79,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# How long a process the test stopped may take to finish dying before it counts as left behind:
+# an interpreter with torch loaded takes seconds to tear down on a loaded 2-core machine, and
+# a leaked process never ends, so a generous bound costs time only when something leaked.
+LEFTOVER_GRACE_S = 15.0
+
+
 @pytest.fixture
 def no_leftover_processes() -> Iterator[None]:
     """Fail the test if it leaves any descendant of the test process running."""
@@ -86,7 +92,7 @@ def no_leftover_processes() -> Iterator[None]:
     before = {p.pid for p in me.children(recursive=True)}
     yield
     new = [p.pid for p in me.children(recursive=True) if p.pid not in before]
-    left = wait_until_gone(new)
+    left = wait_until_gone(new, LEFTOVER_GRACE_S)
     for pid in left:
         try:
             psutil.Process(pid).kill()

@@ -18,6 +18,9 @@ values are pynvml's own ctypes structs (``c_nvmlMemory_t``, ``nvmlPciInfo_t``,
   which on every query of that GPU answers ``GPU_IS_LOST``.
 - the v1 C symbol of the running-process queries, reached through ``_nvmlGetFunctionPointer``
   and called with ctypes arguments exactly as the C library is (count pointer, array).
+- health readings per GPU (:class:`FakeHealth`): each one a value, or an ``NVML_ERROR_*`` code
+  the query answers instead (NOT_SUPPORTED on a board without the sensor, UNKNOWN as some
+  power sensors answer), with NVLink answering INVALID_ARGUMENT past the last link as drivers do.
 """
 
 from __future__ import annotations
@@ -39,6 +42,38 @@ class FakeProcess:
 
 
 @dataclass
+class FakeHealth:
+    """Sensor readings in NVML's units (mW, MHz, a reason bit mask). An ``int`` below
+    ``ERROR`` marks an NVML_ERROR_* to answer instead: ``ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED``."""
+
+    temperature_c: int = 41
+    fan_pct: int = 30
+    power_mw: int = 87_000
+    power_limit_mw: int = 400_000
+    pstate: int = 0
+    sm_clock_mhz: int = 1410
+    sm_clock_max_mhz: int = 1980
+    mem_clock_mhz: int = 1593
+    clock_reasons: int = 0
+    ecc_uncorrected: int = 0
+    retired_sbe: list[int] = field(default_factory=list)  # page addresses
+    retired_dbe: list[int] = field(default_factory=list)
+    retired_pending: int = 0
+    remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corr, unc, pending, failed
+    nvlink_states: list[int] = field(default_factory=list)  # per link: 1 up, 0 down
+
+
+ERROR = -1_000_000  # health values at or below this are errors: ERROR + NVML_ERROR_*
+
+
+def answer(value: Any) -> Any:
+    """A health reading, or raise the NVML error it stands for."""
+    if isinstance(value, int) and not isinstance(value, bool) and value <= ERROR // 2:
+        raise real.NVMLError(value - ERROR)
+    return value
+
+
+@dataclass
 class FakeGPU:
     uuid: str
     name: str = "NVIDIA A100-SXM4-80GB"
@@ -57,10 +92,11 @@ class FakeGPU:
     lost_at: str | None = None
     # The GPU falls off the bus between the two calls of the v1 process query (size, fill).
     lost_between_calls: bool = False
+    health: FakeHealth = field(default_factory=FakeHealth)
 
 
 _ORDER = ("handle", "uuid", "name", "pci", "memory", "utilization", "compute_mode", "mig",
-          "processes")
+          "processes", "health")
 
 
 class _Handle:
@@ -262,6 +298,76 @@ class FakeDriver:
             if isinstance(name, int):  # an NVML_ERROR_* to answer with
                 raise real.NVMLError(name)
             return name
+
+        def health(handle: _Handle, symbol: str) -> FakeHealth:
+            d._symbol(symbol)
+            return d._gpu(handle, "health").health
+
+        def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
+            assert sensor == real.NVML_TEMPERATURE_GPU
+            return answer(health(handle, "nvmlDeviceGetTemperature").temperature_c)
+
+        def nvmlDeviceGetFanSpeed(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetFanSpeed").fan_pct)
+
+        def nvmlDeviceGetPowerUsage(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetPowerUsage").power_mw)
+
+        def nvmlDeviceGetEnforcedPowerLimit(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetEnforcedPowerLimit").power_limit_mw)
+
+        def nvmlDeviceGetPowerManagementLimit(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetPowerManagementLimit").power_limit_mw)
+
+        def nvmlDeviceGetPerformanceState(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetPerformanceState").pstate)
+
+        def nvmlDeviceGetClockInfo(handle: _Handle, clock: int) -> int:
+            h = health(handle, "nvmlDeviceGetClockInfo")
+            return answer(h.sm_clock_mhz if clock == real.NVML_CLOCK_SM else h.mem_clock_mhz)
+
+        def nvmlDeviceGetMaxClockInfo(handle: _Handle, clock: int) -> int:
+            assert clock == real.NVML_CLOCK_SM
+            return answer(health(handle, "nvmlDeviceGetMaxClockInfo").sm_clock_max_mhz)
+
+        def nvmlDeviceGetCurrentClocksEventReasons(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetCurrentClocksEventReasons").clock_reasons)
+
+        def nvmlDeviceGetCurrentClocksThrottleReasons(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetCurrentClocksThrottleReasons").clock_reasons)
+
+        def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter: int) -> int:
+            assert (error_type, counter) == (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                             real.NVML_VOLATILE_ECC)
+            return answer(health(handle, "nvmlDeviceGetTotalEccErrors").ecc_uncorrected)
+
+        def nvmlDeviceGetRetiredPages(handle: _Handle, cause: int) -> list[int]:
+            h = health(handle, "nvmlDeviceGetRetiredPages")
+            single = cause == real.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+            return answer(h.retired_sbe if single else h.retired_dbe)
+
+        def nvmlDeviceGetRetiredPagesPendingStatus(handle: _Handle) -> int:
+            return answer(health(handle, "nvmlDeviceGetRetiredPagesPendingStatus").retired_pending)
+
+        def nvmlDeviceGetRemappedRows(handle: _Handle) -> tuple[int, int, int, int]:
+            return answer(health(handle, "nvmlDeviceGetRemappedRows").remapped_rows)
+
+        def nvmlDeviceGetNvLinkState(handle: _Handle, link: int) -> int:
+            states = health(handle, "nvmlDeviceGetNvLinkState").nvlink_states
+            if not states:
+                raise real.NVMLError(real.NVML_ERROR_NOT_SUPPORTED)
+            if link >= len(states):
+                raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
+            return answer(states[link])
+
+        for fn in (nvmlDeviceGetTemperature, nvmlDeviceGetFanSpeed, nvmlDeviceGetPowerUsage,
+                   nvmlDeviceGetEnforcedPowerLimit, nvmlDeviceGetPowerManagementLimit,
+                   nvmlDeviceGetPerformanceState, nvmlDeviceGetClockInfo,
+                   nvmlDeviceGetMaxClockInfo, nvmlDeviceGetCurrentClocksEventReasons,
+                   nvmlDeviceGetCurrentClocksThrottleReasons, nvmlDeviceGetTotalEccErrors,
+                   nvmlDeviceGetRetiredPages, nvmlDeviceGetRetiredPagesPendingStatus,
+                   nvmlDeviceGetRemappedRows, nvmlDeviceGetNvLinkState):
+            fns[fn.__name__] = fn
 
         for fn in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
                    nvmlDeviceGetUUID, nvmlDeviceGetName, nvmlDeviceGetPciInfo,

@@ -53,11 +53,15 @@ def test_select_honors_cuda_visible_devices(scenario, capsys, monkeypatch) -> No
     ("argv", "env", "needle"),
     [
         (["select", "--min-free", "20XB"], {}, "--min-free '20XB' is not a size"),
-        (["select", "-n", "0"], {}, "at least 1"),
+        (["select", "-n", "0"], {}, "-n 0: must be 1 or more"),
         (["select", "--max-util", "150"], {}, "not a percentage"),
         (["select"], {"CUDA_VISIBLE_DEVICES": "3,3"}, "same device twice"),
         (["select"], {"GPUWARDEN_SIMULATE": "/nonexistent/scenario.json"}, "does not exist"),
-        (["select", "--bogus"], {}, "unrecognized arguments"),
+        (["select", "--bogus"], {}, "gpuwarden select: unrecognized argument --bogus"),
+        (["select", "--min-fre", "1GiB", "--bogus=3"], {}, "--bogus=3; fix: `gpuwarden select --help`"),
+        (["select", "--min-free", "99999999999999999999999999999GiB"], {}, "more memory than any"),
+        (["select", "--include", "9"], {}, "--include 9: no visible GPU is '9'"),
+        (["ls"], {"CUDA_VISIBLE_DEVICES": "garbage"}, "'garbage' leaves no GPU visible"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(scenario, capsys, monkeypatch, argv, env, needle) -> None:
@@ -67,8 +71,7 @@ def test_bad_input_exits_2_with_one_line(scenario, capsys, monkeypatch, argv, en
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert needle in err
-    if "--bogus" not in argv:
-        assert err.count("\n") == 1 and err.startswith("error[")
+    assert err.count("\n") == 1 and err.startswith("error[")
 
 
 def test_no_gpus_visible_or_present(scenario, capsys) -> None:
@@ -91,7 +94,8 @@ def test_ls_json_fields(scenario, capsys) -> None:
     assert g0["memory_used_bytes"] == 71200 * 1024**2
     assert g0["processes"] == [{"pid": 4242, "user": "bob", "command": "python train_llm.py",
                                 "used_memory_bytes": 70700 * 1024**2, "context": "compute",
-                                "note": None}]
+                                "note": None, "host_memory_rss_bytes": None,
+                                "cpu_time_s": None, "elapsed_s": None}]
 
 
 def test_ls_marks_hidden_gpus(scenario, capsys, monkeypatch) -> None:
@@ -99,7 +103,7 @@ def test_ls_marks_hidden_gpus(scenario, capsys, monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
     code, out, _ = run(capsys, "ls")
     assert code == 0
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:6]}
     assert rows == {"0": "cuda:1", "1": "-", "2": "cuda:0", "3": "-"}
     _, out, _ = run(capsys, "ls", "--json")
     assert [g["cuda_ordinal"] for g in json.loads(out)["gpus"]] == [1, None, 0, None]
@@ -110,7 +114,7 @@ def test_ls_shows_cuda_numbering_when_only_reordered(scenario, capsys, monkeypat
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2,1,0")
     code, out, _ = run(capsys, "ls")
     assert code == 0
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:]}
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:6]}
     assert rows == {"0": "cuda:3", "1": "cuda:2", "2": "cuda:1", "3": "cuda:0"}
 
 
@@ -144,12 +148,20 @@ def test_console_script_version_and_speed() -> None:
     env = dict(os.environ, GPUWARDEN_SIMULATE=str(SCENARIOS / "idle8.json"))
     out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("gpuwarden ")
-    start = time.monotonic()
+    import resource
+
+    def children_cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    before, start = children_cpu_s(), time.monotonic()
     res = subprocess.run([str(exe), "ls", "--json"], capture_output=True, text=True, env=env)
-    elapsed = time.monotonic() - start
+    cpu, elapsed = children_cpu_s() - before, time.monotonic() - start
     assert res.returncode == 0 and len(json.loads(res.stdout)["gpus"]) == 8
-    # "well under a second" on an 8-GPU host, with a wide margin for a loaded CI box
-    assert elapsed < 2.0
+    # "well under a second" on an 8-GPU host, interpreter start included: judged by the CPU the
+    # command used, which a loaded machine does not stretch as it stretches wall time; the wall
+    # bound only says it never waits for anything
+    assert cpu < 1.0 and elapsed < 15, (cpu, elapsed)
 
 
 def test_cli_imports_no_heavy_modules() -> None:
@@ -158,3 +170,16 @@ def test_cli_imports_no_heavy_modules() -> None:
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_select_says_when_cuda_stops_at_an_invalid_entry(scenario, capsys, monkeypatch) -> None:
+    scenario("example")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,x,2")
+    code, out, err = run(capsys, "select", "-n", "1")
+    assert code == 0 and out == "1\n"
+    assert "entry 'x' is not a device index; CUDA stops at the first invalid entry, so only " \
+        "the first 1 entry of the list is visible" in err
+    code, out, _ = run(capsys, "select", "-n", "1", "--json")
+    assert "entry 'x'" in json.loads(out)["notes"][0]
+    code, _, err = run(capsys, "select", "-n", "2")  # GPU 2 was cut off: only GPU 1 is visible
+    assert code == 4 and "entry 'x'" in err

@@ -101,15 +101,17 @@ def test_example_scenario_names_bob_carol_and_the_prohibited_gpu() -> None:
     assert any(e.startswith("GPU 0:") and "pid 4242 (bob, python train_llm.py)" in e
                for e in memory.evidence)
     nproc = report.by_id("nproc")
-    assert nproc.status is Status.WARN  # GPU 1 alone is idle; GPU 0 only by sharing with bob
-    assert report.exit_code == 0
+    # GPU 1 alone is idle; GPU 0 runs bob's job, which `gpuwarden launch -n 2` refuses too
+    assert nproc.status is Status.FAIL and "1 of 4 visible are usable" in nproc.what
+    assert "1 more run other jobs' processes" in nproc.what
+    assert report.exit_code == 1
 
 
 def test_example_scenario_fails_when_more_ranks_than_usable_gpus() -> None:
     report = doctor(read_host=host_from("example"), nproc=3)
     nproc = report.by_id("nproc")
-    assert nproc.status is Status.FAIL and "2 of 4 visible are usable" in nproc.what
-    assert nproc.fix and "--nproc 2" in nproc.fix
+    assert nproc.status is Status.FAIL and "1 of 4 visible are usable" in nproc.what
+    assert nproc.fix and "--nproc 1 or fewer" in nproc.fix
     assert report.exit_code == 1
 
 

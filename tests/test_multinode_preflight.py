@@ -45,6 +45,12 @@ def hosts() -> Iterator[Hosts]:
         remove_hosts(h)
 
 
+# A fresh launcher's interpreter start, imports and preflight on a 2-core machine loaded by
+# other test suites (5 s failed there): the bound for "at once". What it rules out is a wait
+# for a timeout (--rdzv-timeout's 5 min, torch's 30 min).
+STARTUP_S = 25.0
+
+
 def _run(h: Hosts, node: int, argv: list[str], timeout: float = 60) -> tuple[int, str, float]:
     start = time.monotonic()
     p = subprocess.run(h.cmd(node, argv), capture_output=True, text=True, timeout=timeout)
@@ -58,13 +64,13 @@ def _launch_argv(node: int, addr: str, port: int, *extra: str) -> list[str]:
 
 @needs_netns
 @pytest.mark.timeout(60)
-def test_unresolvable_master_addr_is_rdzv_dns_within_5s(hosts: Hosts) -> None:
+def test_unresolvable_master_addr_is_rdzv_dns_at_once(hosts: Hosts) -> None:
     hosts.write_hosts(1, [])
     code, text, elapsed = _run(hosts, 1, _launch_argv(1, "node-zero.invalid", 29500))
     assert code == 1, text
     assert "error[RDZV_DNS]: MASTER_ADDR 'node-zero.invalid' does not resolve" in text
     assert "node 1 of 3" in text
-    assert elapsed < 5.0
+    assert elapsed < STARTUP_S
 
 
 @needs_netns
@@ -86,7 +92,7 @@ def test_firewall_dropping_the_port_is_connect_timeout_within_window(hosts: Host
     assert "error[RDZV_CONNECT_TIMEOUT]" in text, text
     assert "packets dropped" in text  # said as it happened, and in the final reason
     assert "a firewall drops the packets" in text
-    assert window_s <= elapsed < window_s + 5.0
+    assert window_s <= elapsed < window_s + STARTUP_S
 
 
 @needs_netns
@@ -137,7 +143,7 @@ def test_socket_ifname_that_does_not_exist_fails_before_launch(hosts: Hosts) -> 
     argv = ["env", "GLOO_SOCKET_IFNAME=eth7", *_launch_argv(1, hosts.addrs[0], 29521)]
     code, text, elapsed = _run(hosts, 1, argv)
     assert code == 1 and "error[NCCL_NO_INTERFACE]" in text and "eth7" in text
-    assert elapsed < 5
+    assert elapsed < STARTUP_S
 
 
 # ---- Slurm and numbering (pure) ---------------------------------------------------------------

@@ -19,7 +19,7 @@ from gpuwarden.inventory import nvml as nvml_backend
 from gpuwarden.inventory.nvml import EXITED, NOT_IN_PID_NAMESPACE, NvmlBackend
 from gpuwarden.inventory.snapshot import ComputeMode
 from gpuwarden.select import Constraints, Refusal, select
-from tests.fake_pynvml import MIB, FakeDriver, FakeGPU, FakeProcess
+from tests.fake_pynvml import MIB, FakeDriver, FakeGPU, FakeHealth, FakeProcess
 
 NO_SUCH_PID = 4_194_304 + 17  # above Linux's highest pid_max: never a live process
 PROCESS_QUERIES = {f"nvmlDeviceGet{k}RunningProcesses{v}" for k in ("Compute", "Graphics")
@@ -324,3 +324,83 @@ def test_the_doctor_fails_a_lost_gpu_with_its_code(capsys: pytest.CaptureFixture
     driver = {c["id"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["driver"]
     assert (driver["status"], driver["code"]) == ("fail", "GPU_HARDWARE_FAULT")
     assert "GPU 1 (NVML: GPU is lost)" in driver["what"]
+
+
+# ---- health: temperature, power, clocks and their reasons, ECC, retired memory, NVLink ------
+
+def test_health_readings_come_in_their_units() -> None:
+    sick = FakeHealth(temperature_c=88, power_mw=301_500, clock_reasons=0x4 | 0x40 | 0x1,
+                      ecc_uncorrected=3, retired_dbe=[0x1000, 0x2000], retired_pending=1,
+                      nvlink_states=[1, 1, 0, 1])
+    driver = FakeDriver([gpu(0, health=sick), gpu(1)])
+    host = read(driver)
+    h = host.gpus[0].health
+    assert (h.temperature_c, h.fan_speed_pct, h.power_draw_w, h.power_limit_w) == (88, 30, 301.5, 400.0)
+    assert (h.performance_state, h.sm_clock_mhz, h.sm_clock_max_mhz, h.memory_clock_mhz) == \
+        (0, 1410, 1980, 1593)
+    assert h.throttle_reasons == ("gpu_idle", "sw_power_cap", "hw_thermal_slowdown")
+    assert h.slowdowns == ("sw_power_cap", "hw_thermal_slowdown")
+    assert (h.ecc_errors_uncorrected, h.retired_pages, h.memory_repair_pending) == (3, 2, True)
+    assert (h.nvlinks_active, h.nvlinks_total) == (3, 4)
+    assert h.problems() == ("3 uncorrectable ECC error(s)", "memory repair pending a GPU reset",
+                            "slowed: sw_power_cap, hw_thermal_slowdown")
+    healthy = host.gpus[1].health
+    assert healthy.problems() == () and healthy.nvlinks_total is None  # no NVLink: unknown
+    assert "nvmlDeviceGetCurrentClocksEventReasons" in driver.calls
+
+
+def test_health_on_old_drivers_and_boards_without_sensors() -> None:
+    from tests.fake_pynvml import ERROR
+
+    # Old bindings: no "event reasons" name, no enforced limit; a board whose power sensor
+    # answers UNKNOWN, without ECC, retired pages or a fan; a driver lacking the row remapper.
+    bare = FakeHealth(power_mw=ERROR + pynvml.NVML_ERROR_UNKNOWN,
+                      fan_pct=ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED,
+                      ecc_uncorrected=ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED,
+                      retired_sbe=ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED,  # type: ignore[arg-type]
+                      retired_dbe=ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED,  # type: ignore[arg-type]
+                      retired_pending=ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED,
+                      pstate=32, clock_reasons=0x200)
+    driver = FakeDriver([gpu(0, health=bare)], missing={"nvmlDeviceGetRemappedRows"},
+                        absent={"nvmlDeviceGetCurrentClocksEventReasons",
+                                "nvmlDeviceGetEnforcedPowerLimit"})
+    g = read(driver).gpus[0]
+    h = g.health
+    assert g.error is None and h.temperature_c == 41
+    assert (h.power_draw_w, h.fan_speed_pct, h.ecc_errors_uncorrected) == (None, None, None)
+    assert (h.retired_pages, h.memory_repair_pending, h.performance_state) == (None, None, None)
+    assert h.power_limit_w == 400.0  # from the older nvmlDeviceGetPowerManagementLimit
+    assert h.throttle_reasons == ("0x200",)  # a reason newer than this table: shown, not lost
+    assert "nvmlDeviceGetCurrentClocksThrottleReasons" in driver.calls
+
+
+def test_a_gpu_lost_while_its_health_is_read_is_lost() -> None:
+    driver = FakeDriver([gpu(0, lost_at="health"), gpu(1)])
+    host = read(driver)
+    assert host.gpus[0].error == "NVML: GPU is lost" and host.gpus[1].error is None
+
+
+def test_a_process_on_a_gpu_gets_its_host_memory_cpu_time_and_age() -> None:
+    driver = FakeDriver([gpu(0, compute=[FakeProcess(os.getpid()), FakeProcess(NO_SUCH_PID)])])
+    me, gone = read(driver).gpus[0].processes
+    assert me.host_memory_rss_bytes and me.host_memory_rss_bytes > 10 * MIB
+    assert me.cpu_time_s is not None and me.cpu_time_s > 0
+    assert me.elapsed_s is not None and me.elapsed_s >= 0
+    assert gone.note == EXITED and gone.host_memory_rss_bytes is None
+
+
+def test_host_stats_a_process_hides_are_unknown() -> None:
+    import psutil
+
+    class Hidden:  # another user's process under hidepid: its pid answers, its details do not
+        def memory_info(self) -> object:
+            raise psutil.AccessDenied(1)
+
+        def cpu_times(self) -> object:
+            raise psutil.AccessDenied(1)
+
+        def create_time(self) -> float:
+            raise psutil.NoSuchProcess(1)
+
+    assert nvml_backend._host_stats(Hidden()) == {
+        "host_memory_rss_bytes": None, "cpu_time_s": None, "elapsed_s": None}

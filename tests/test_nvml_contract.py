@@ -87,3 +87,37 @@ def test_the_real_driver_answers_a_process_query_version_and_graphics() -> None:
                 assert not psutil.pid_exists(pid), (pid, graphics)
     finally:
         pynvml.nvmlShutdown()
+
+
+def test_health_readings_of_a_real_gpu_agree_with_nvml(capsys, monkeypatch) -> None:
+    import pynvml
+
+    from gpuwarden.cli import main
+
+    host = NvmlBackend().read_host()
+    pynvml.nvmlInit()
+    try:
+        for gpu in host.gpus:
+            if gpu.error is not None or gpu.mig_enabled:
+                continue
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            h = gpu.health
+            # every data-center and desktop board has a temperature sensor
+            assert h.temperature_c is not None and 0 < h.temperature_c < 120
+            real_temp = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+            assert abs(h.temperature_c - real_temp) <= 10  # moves between two reads
+            if h.power_limit_w is not None:
+                assert h.power_draw_w is None or 0 <= h.power_draw_w <= 2 * h.power_limit_w
+            assert h.throttle_reasons is not None  # every driver since 352 answers it
+            if h.sm_clock_max_mhz is not None and h.sm_clock_mhz is not None:
+                assert 0 < h.sm_clock_mhz <= h.sm_clock_max_mhz + 100
+    finally:
+        pynvml.nvmlShutdown()
+    monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    print(out)  # shown with -s in the GPU verification run
+    assert main(["ls", "-l"]) == 0
+    print(capsys.readouterr().out)

@@ -362,3 +362,4 @@ def test_refusal_by_the_callers_own_pool_says_so(two_gpus, no_leftover_processes
     assert "this process's own pools hold GPUs" in error.what
     assert "shutdown_reusable_pool()" in (error.fix or "")
     assert any(f"pid {os.getpid()}" in e for e in error.evidence)
+

@@ -213,6 +213,63 @@ def preference_key(gpu: GPUSnapshot) -> tuple[int, int, int, str]:
     return (-gpu.memory_free_bytes, util, gpu.index, gpu.uuid)
 
 
+def unmatched_ids(gpus: Sequence[GPUSnapshot], ids: Sequence[str]) -> tuple[str, ...]:
+    """The entries of ``ids`` (an --include list) that name none of ``gpus``."""
+    return tuple(i for i in ids if not any(_matches(g, (i,)) for g in gpus))
+
+
+def check_include(gpus: Sequence[GPUSnapshot], constraints: Constraints, *,
+                  flag: str = "--include") -> None:
+    """UsageError when --include names a GPU that is not among ``gpus`` (the visible ones):
+    a typo or another host's index, which no amount of waiting would ever turn up."""
+    missing = unmatched_ids(gpus, constraints.include)
+    if missing:
+        shown = ", ".join(g.cuda_id for g in gpus) or "none"
+        raise UsageError(f"{flag} {','.join(constraints.include)}: no visible GPU is "
+                         f"{missing[0]!r}", why=f"the GPUs this process may use are: {shown}",
+                         fix=f"name GPUs that `gpuwarden ls` shows as visible, or leave {flag} out")
+
+
+# Refusals that waiting does not lift: the request's own lists, a mode or MIG setting only an
+# admin changes, a GPU lost until it is reset.
+_LASTING = frozenset({Refusal.NOT_INCLUDED, Refusal.EXCLUDED, Refusal.PROHIBITED, Refusal.MIG,
+                      Refusal.UNREADABLE})
+
+
+def never_satisfiable(selection: Selection) -> ConstraintError | None:
+    """Why waiting could never serve ``selection``'s request, or None when it could.
+
+    A GPU counts as never usable when its refusal lasts (see ``_LASTING``) or when its total
+    memory is below ``min_free_bytes``; a GPU refused for who uses it now may free up.
+    """
+    c = selection.constraints
+    lasting = [v for v in selection.verdicts if v.refusal in _LASTING]
+    small = [v for v in selection.verdicts
+             if v.refusal not in _LASTING and v.gpu.memory_total_bytes < c.min_free_bytes]
+    could = len(selection.verdicts) - len(lasting) - len(small)
+    if could >= c.count:
+        return None
+    parts = []
+    if lasting:
+        kinds = sorted({_LASTING_WORDS[v.refusal] for v in lasting if v.refusal is not None})
+        parts.append(f"{len(lasting)} refused for good ({', '.join(kinds)})")
+    if small:
+        largest = max(v.gpu.memory_total_bytes for v in small)
+        parts.append(f"{len(small)} too small for --min-free {format_bytes(c.min_free_bytes)} "
+                     f"(the largest has {format_bytes(largest)} in all)")
+    return ConstraintError(
+        f"{c.count} GPU(s) requested, at most {could} of {len(selection.verdicts)} could ever "
+        "be usable: no wait can serve this request",
+        why="; ".join(parts) or "no GPU is visible to this process",
+        fix="ask for fewer GPUs, a lower --min-free, or other GPUs (--include/--exclude)",
+        evidence=[v.line() for v in selection.verdicts])
+
+
+_LASTING_WORDS = {Refusal.NOT_INCLUDED: "not in --include", Refusal.EXCLUDED: "--exclude",
+                  Refusal.PROHIBITED: "prohibited mode", Refusal.MIG: "MIG-enabled",
+                  Refusal.UNREADABLE: "lost or unreadable"}
+
+
 def select(gpus: Sequence[GPUSnapshot], constraints: Constraints) -> Selection:
     """Judge every GPU and pick ``constraints.count`` of the acceptable ones."""
     if constraints.count < 0:

@@ -10,11 +10,12 @@ input, 3 no GPU/NVML where one is required, 4 constraint not met.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from gpuwarden import __version__
 from gpuwarden.errors import EXIT_FAILURE, EXIT_USAGE, GpuwardenError
@@ -27,13 +28,72 @@ COMMANDS = ("ls", "select", "launch", "status", "stacks", "run", "leases", "work
             "explain")
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse with gpuwarden's error form: one ``error[USAGE]`` line naming the subcommand,
+    the nearest flag for an unknown one, and where to look (never the whole usage text)."""
+
+    # Flags of other launchers and tools that users carry over: what gpuwarden calls them.
+    known_aliases: Mapping[str, str] = {}
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:  # each subcommand names its own unknown flags (the top level cannot)
+            flag = next((a for a in extra if a.startswith("-")), None)
+            if flag is None:
+                self.error(f"unexpected argument {extra[0]!r}")
+            near = nearest_option(flag.split("=", 1)[0], self._option_string_actions,
+                                  self.known_aliases)
+            self.error(f"unrecognized argument {flag}" + (f"; did you mean {near}?" if near else ""))
+        return parsed, extra
+
+    def error(self, message: str) -> NoReturn:
+        from gpuwarden.errors import UsageError
+
+        raise UsageError(f"{self.prog}: {message}", fix=f"`{self.prog} --help` lists every option")
+
+
+def nearest_option(flag: str, options: Iterable[str], aliases: Mapping[str, str] | None = None
+                   ) -> str | None:
+    """The option a mistyped ``flag`` most likely meant: a known alias, else the option sharing
+    the longest start with it (--nprocs: --nproc-per-node, not --nnodes), else the closest."""
+    if aliases and flag in aliases:
+        return aliases[flag]
+
+    def norm(text: str) -> str:
+        return text.lstrip("-").replace("_", "-").lower()
+
+    longs = sorted(o for o in options if o.startswith("--"))
+    typed = norm(flag)
+    if not typed:
+        return None
+    best, best_len = None, 0
+    for option in longs:
+        shared = len(_common_prefix(typed, norm(option)))
+        if shared > best_len:
+            best, best_len = option, shared
+    if best is not None and best_len >= min(4, len(typed), len(norm(best))):
+        return best
+    close = difflib.get_close_matches(typed, [norm(o) for o in longs], n=1, cutoff=0.6)
+    return next((o for o in longs if close and norm(o) == close[0]), None)
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="gpuwarden",
         description="CUDA that works across processes: GPU inventory and selection through NVML, "
         "leases, a torchrun-compatible launcher, pools, and diagnoses of what went wrong.",
-        epilog="GPU state comes from NVML; set GPUWARDEN_SIMULATE=<scenario.json> to use a "
-        "simulated host instead. Exit codes: 0 ok, 1 failure, 2 usage or bad input, "
+        epilog="GPU state comes from NVML; set GPUWARDEN_SIMULATE=<scenario name or file> "
+        "(or give ls, select, run and doctor --simulate) to use a simulated host instead: "
+        "two-idle, example, mig, sick ... ship with gpuwarden (docs/scenarios.md). Exit codes: 0 ok, 1 failure, 2 usage or bad input, "
         "3 no GPU/NVML, 4 constraint not met. Every failure code, its cause and fix: "
         "docs/failure-codes.md in the repository, or `gpuwarden explain --codes`.",
     )
@@ -67,8 +127,11 @@ def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help/--version exit 0, bad usage exits 2
+    except SystemExit as exc:  # argparse: --help/--version exit 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except GpuwardenError as exc:  # CliParser.error: one line with the fix
+        exc.emit(sys.stderr)
+        return exc.exit_code
     args.inventory = inventory
     if not getattr(args, "run", None):
         parser.print_help(sys.stderr)
@@ -78,7 +141,8 @@ def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
     except GpuwardenError as exc:
         exc.emit(sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # commands that wait say what they were doing; this is the rest
+        print("gpuwarden: interrupted", file=sys.stderr)
         return 130
     except MemoryError:
         # gpuwarden's own process hit its memory limit (ulimit -v, a cgroup's memory.max):
@@ -107,11 +171,20 @@ def _out_of_memory(args: argparse.Namespace) -> int:
 
 
 def inventory_of(args: argparse.Namespace) -> Inventory:
-    """The inventory ``main`` was given, else the default one (NVML or GPUWARDEN_SIMULATE)."""
+    """The inventory ``main`` was given, else ``--simulate``'s scenario, else the default one
+    (NVML or GPUWARDEN_SIMULATE)."""
     from gpuwarden.inventory import Inventory
 
     given = getattr(args, "inventory", None)
-    return given if given is not None else Inventory.from_env()
+    if given is not None:
+        return given
+    simulate = getattr(args, "simulate", None)
+    if simulate:
+        from gpuwarden.inventory.simulated import SimulatedBackend
+
+        return Inventory(SimulatedBackend(simulate))
+    return Inventory.from_env()
+
 
 
 def console_main() -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
+from gpuwarden.cli._args import add_simulate_arg
 from gpuwarden.cli._output import emit_json
 from gpuwarden.errors import UsageError
 
@@ -42,6 +45,7 @@ def add_parser(sub: Any) -> None:
                    "(default: $MASTER_PORT)")
     p.add_argument("--nnodes", type=_positive, default=1, metavar="N",
                    help="number of nodes of the job; >1 makes loopback names failures (default 1)")
+    add_simulate_arg(p)
     p.set_defaults(run=run)
 
 
@@ -67,6 +71,21 @@ def render(report: Any, stream: TextIO) -> None:
                  f"{counts['skip']} skipped in {report.elapsed_s:.2f} s\n")
 
 
+@contextlib.contextmanager
+def _checking(stream: TextIO) -> Iterator[None]:
+    """A transient 'checking ...' line while the probes run, on a terminal only."""
+    from gpuwarden.cli._output import is_terminal
+
+    if not is_terminal(stream):
+        yield
+        return
+    from rich.console import Console
+
+    with Console(file=stream).status("gpuwarden doctor: checking the driver, GPUs, torch, "
+                                     "/dev/shm, limits and the rendezvous ..."):
+        yield
+
+
 def run(args: argparse.Namespace) -> int:
     from gpuwarden.doctor import Options, run_doctor
 
@@ -77,9 +96,21 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.doctor.probes import Probes
 
     inventory = inventory_of(args)
-    report = run_doctor(Options(nproc=args.nproc, master_addr=args.master_addr,
-                                master_port=args.master_port, nnodes=args.nnodes),
-                        Probes(read_host=lambda env: inventory.read_host()))
+    bad_input: list[UsageError] = []
+
+    def read_host(_env: Any) -> Any:
+        try:
+            return inventory.read_host()
+        except UsageError as exc:  # a broken scenario file is bad input, not "no driver"
+            bad_input.append(exc)
+            raise
+
+    options = Options(nproc=args.nproc, master_addr=args.master_addr,
+                      master_port=args.master_port, nnodes=args.nnodes)
+    with _checking(sys.stderr):  # network probes take up to 3 s: never silent on a terminal
+        report = run_doctor(options, Probes(read_host=read_host))
+    if bad_input:  # as `gpuwarden ls` does: one line, exit 2
+        raise bad_input[0]
     if args.json:
         emit_json(report.to_dict())
     else:

@@ -9,13 +9,12 @@ gpuwarden does with each is in docs/launch.md ("torchrun's flags").
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from gpuwarden.errors import EXIT_USAGE, UsageError
+from gpuwarden.errors import UsageError
 
 # torchrun's option destinations: each is also read from PET_<DEST> (torch.distributed.argparse_util).
 TORCHRUN_DESTS = (
@@ -30,35 +29,22 @@ C10D_DEFAULT_PORT = 29400  # torchrun's port for --rdzv-endpoint HOST without on
 RDZV_BACKENDS = ("static", "c10d")
 
 
-class LaunchArgumentParser(argparse.ArgumentParser):
-    """launch's own usage line on a usage error, and the nearest flag for an unknown one."""
-
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None,
-                         ) -> tuple[argparse.Namespace, list[str]]:
-        parsed, extra = super().parse_known_args(args, namespace)
-        unknown = [a for a in extra if a.startswith("-")]
-        if unknown:
-            flag = unknown[0].split("=", 1)[0]
-            near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1, cutoff=0.6)
-            hint = f"; did you mean {near[0]}?" if near else ""
-            self.error(f"unrecognized argument {unknown[0]}{hint}")
-        if extra:  # a stray positional: argparse.REMAINDER takes everything after SCRIPT
-            self.error(f"unrecognized arguments: {' '.join(extra)}")
-        return parsed, extra
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+# Flags of other launchers that users carry over (accelerate, deepspeed, mpirun, torch's
+# older launch module): the flag that does the same here.
+OTHER_LAUNCHERS_FLAGS = {
+    "--nprocs": "--nproc-per-node", "--nproc": "--nproc-per-node", "--np": "--nproc-per-node",
+    "-np": "--nproc-per-node", "--num-processes": "--nproc-per-node",
+    "--num_processes": "--nproc-per-node", "--num-gpus": "--gpus", "--num_gpus": "--gpus",
+    "--main-process-port": "--master-port", "--main_process_port": "--master-port",
+    "--main-process-ip": "--master-addr", "--main_process_ip": "--master-addr",
+    "--num-machines": "--nnodes", "--num_machines": "--nnodes",
+    "--machine-rank": "--node-rank", "--machine_rank": "--node-rank",
+}
 
 
 def add_parser(sub: Any) -> None:
-    parser_class = sub._parser_class
-    sub._parser_class = LaunchArgumentParser  # launch's usage and hints on a bad flag
-    try:
-        p = _add_parser(sub)
-    finally:
-        sub._parser_class = parser_class
+    p = _add_parser(sub)
+    p.known_aliases = OTHER_LAUNCHERS_FLAGS  # type: ignore[attr-defined]  # a CliParser
     for action in p._actions:  # torchrun reads PET_<DEST> for any option not given
         if action.dest in TORCHRUN_DESTS and f"PET_{action.dest.upper()}" in os.environ:
             raw = os.environ[f"PET_{action.dest.upper()}"]
@@ -239,8 +225,9 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from gpuwarden.cli._args import min_free_bytes
     from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STOP_SIGNALS, LaunchConfig
-    from gpuwarden.units import parse_duration, parse_size
+    from gpuwarden.units import parse_duration
 
     if args.logs_specs:
         raise UsageError(f"--logs-specs {args.logs_specs}: custom torchrun LogsSpecs are not "
@@ -294,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         cpu=cpu,
         share=args.share,
         bind=bind,
-        min_free_bytes=parse_size(args.min_free, what="--min-free"),
+        min_free_bytes=min_free_bytes(args.min_free),
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,
         stall_timeout_s=parse_duration(args.stall_timeout, what="--stall-timeout"),
         keep_waiting=args.keep_waiting,
@@ -510,7 +497,12 @@ def run(args: argparse.Namespace) -> int:
         if agent is not None:
             agent.close()  # launch() ends it from here on
         raise
-    report, _outcome = launch(config, inventory=inventory, agent=agent)
+    try:
+        report, _outcome = launch(config, inventory=inventory, agent=agent)
+    except KeyboardInterrupt:  # once ranks run, the supervisor handles Ctrl-C itself
+        print("gpuwarden: interrupted before any rank started (waiting for GPUs, or checking "
+              "the rendezvous); nothing was leased or left running", file=sys.stderr)
+        return 130
     if not report.ok or not args.quiet:
         from gpuwarden.findings import emit
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.cli._args import MAX_SLOTS_PER_GPU, bounded_int
 from gpuwarden.cli._output import emit_json, emit_table, note
 from gpuwarden.units import format_duration
 
@@ -46,9 +47,11 @@ def add_parser(sub: Any) -> None:
     init.add_argument("--group", default=None, metavar="G",
                       help="only members of group G may use it (mode 1770, lock files 0660); "
                       "default: every user (1777, 0666)")
-    init.add_argument("--slots-per-gpu", type=int, default=None, metavar="K",
-                      help="the most slots per GPU a request may use (default 8); a request "
-                      "with more is refused in a prepared directory")
+    init.add_argument("--slots-per-gpu", type=bounded_int("--slots-per-gpu", 1, MAX_SLOTS_PER_GPU),
+                      default=None, metavar="K",
+                      help=f"the most slots per GPU a request may use (default 8, at most "
+                      f"{MAX_SLOTS_PER_GPU}); a request with more is refused in a prepared "
+                      "directory")
     init.add_argument("--json", action="store_true", dest="init_json",
                       help="machine-readable output (schema_version 1)")
     p.set_defaults(run=run)

@@ -15,8 +15,9 @@ from functools import partial
 from types import FrameType
 from typing import Any
 
+from gpuwarden.cli._args import MAX_SLOTS_PER_GPU, add_simulate_arg, bounded_int
 from gpuwarden.cli._output import note
-from gpuwarden.cli.select import add_constraint_args, constraints_from_args
+from gpuwarden.cli.select import add_constraint_args, constraints_from_args, wants_all
 from gpuwarden.errors import UsageError
 from gpuwarden.procs import (
     GroupReaper,
@@ -44,9 +45,12 @@ def add_parser(sub: Any) -> None:
         usage="gpuwarden run [options] -- CMD [ARGS...]",
     )
     add_constraint_args(p, count_flags=("--gpus", "-n"))
-    p.add_argument("--slots-per-gpu", type=int, default=1, metavar="K",
-                   help="split each GPU into K slots shared by K requests (default 1: whole GPUs)")
-    p.add_argument("--slots-each", type=int, default=1, metavar="S",
+    p.add_argument("--slots-per-gpu", type=bounded_int("--slots-per-gpu", 1, MAX_SLOTS_PER_GPU),
+                   default=1, metavar="K",
+                   help="split each GPU into K slots shared by K requests (default 1: whole "
+                   f"GPUs; at most {MAX_SLOTS_PER_GPU}, as `leases init` prepares)")
+    p.add_argument("--slots-each", type=bounded_int("--slots-each", 1, MAX_SLOTS_PER_GPU),
+                   default=1, metavar="S",
                    help="slots to take on each leased GPU (default 1; K = the whole GPU)")
     p.add_argument("--wait", metavar="DURATION", default=None,
                    help="wait in line this long for the GPUs, e.g. 30s, 10m, inf "
@@ -56,6 +60,7 @@ def add_parser(sub: Any) -> None:
                    "(default: the command line)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="do not print the leased GPUs or the waiting status")
+    add_simulate_arg(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run")
     p.set_defaults(run=run)
 
@@ -64,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.cli import inventory_of
     from gpuwarden.lease import StatusPrinter, acquire
     from gpuwarden.lease._fs import lease_dir_choice
+    from gpuwarden.units import format_duration
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -71,16 +77,33 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         raise UsageError("no command given", fix="gpuwarden run --gpus 1 -- python train.py")
     constraints = constraints_from_args(args)
+    if args.slots_each > args.slots_per_gpu:
+        raise UsageError(f"--slots-each {args.slots_each} is more than --slots-per-gpu "
+                         f"{args.slots_per_gpu}", fix="--slots-each K of --slots-per-gpu K "
+                         "takes whole GPUs; fewer share each GPU")
+    # Everything that can be checked now is, before any wait in line: a command that does not
+    # exist, GPUs that are not there, a request no wait can serve.
+    check_command(cmd)
+    inventory = inventory_of(args)
+    visible = _check_request(inventory, constraints, args)
     # "python train.py --lr 3e-4", the form NVML process lines take in every reason string.
     label = args.label or short_command([os.path.basename(cmd[0]), *cmd[1:]])
     _directory, warning = lease_dir_choice()
     if warning and not args.quiet:
         note(f"gpuwarden: note: {warning}")
     printer = StatusPrinter(sys.stderr)
-    with printer:
-        grant = acquire(constraints=constraints, slots_per_gpu=args.slots_per_gpu,
-                        slots_each=args.slots_each, wait=args.wait, label=label,
-                        on_wait=None if args.quiet else printer, inventory=inventory_of(args))
+    started = time.monotonic()
+    try:
+        with printer:
+            grant = acquire("all" if wants_all(args) else None, constraints=constraints,
+                            slots_per_gpu=args.slots_per_gpu, slots_each=args.slots_each,
+                            wait=args.wait, label=label,
+                            on_wait=None if args.quiet else printer, inventory=inventory,
+                            visible=visible)
+    except KeyboardInterrupt:
+        note(f"gpuwarden: interrupted after {format_duration(time.monotonic() - started)} "
+             "waiting in line; nothing was leased and the command did not run")
+        return 128 + signal.SIGINT
     with grant:
         if not args.quiet:
             slots = "" if args.slots_per_gpu == 1 else \
@@ -90,6 +113,52 @@ def run(args: argparse.Namespace) -> int:
                  f"CUDA_VISIBLE_DEVICES={grant.visible_devices}")
         env = {**os.environ, **grant.env, "GPUWARDEN_LEASE_ID": grant.holder_id}
         return run_child(cmd, env, tick=partial(_report_tampering, grant, set()))
+
+
+def check_command(cmd: Sequence[str]) -> None:
+    """UsageError when ``cmd[0]`` cannot be executed: not on PATH, missing, a directory, not
+    executable. Checked before leasing, so a typo never waits in line for GPUs first."""
+    import shutil
+
+    program = cmd[0]
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise UsageError(f"command not found: {program!r} does not exist",
+                             fix="give the path of an existing program")
+        if os.path.isdir(program):
+            raise UsageError(f"command {program!r} is a directory",
+                             fix="give the program to run, not its directory")
+        if not os.access(program, os.X_OK) or not _has_exec_bit(program):
+            raise UsageError(f"command {program!r} is not executable",
+                             fix=f"gpuwarden run -- python {program}" if program.endswith(".py")
+                             else f"chmod +x {program}, or run it with its interpreter "
+                             f"(gpuwarden run -- sh {program})")
+        return
+    if shutil.which(program) is None:
+        raise UsageError(f"command not found: {program!r} is not on PATH",
+                         fix="give a program on PATH, or its path (./script.sh)")
+
+
+def _has_exec_bit(path: str) -> bool:
+    # root passes os.access(X_OK) for a file with any execute bit, and exec fails on none
+    return bool(os.stat(path).st_mode & 0o111)
+
+
+def _check_request(inventory: Any, constraints: Any, args: argparse.Namespace) -> Any:
+    """The visible GPUs, after refusing at once what waiting could never serve: --include
+    naming a GPU that is not visible, more GPUs than could ever be usable."""
+    from gpuwarden.select import check_include, never_satisfiable, select
+
+    _host, vis = inventory.visibility()
+    if not args.quiet:
+        for line in vis.notes:
+            note(f"gpuwarden: note: {line}")
+    check_include(vis.gpus, constraints)
+    if args.wait is not None and not wants_all(args):
+        problem = never_satisfiable(select(vis.gpus, constraints))
+        if problem is not None:
+            raise problem
+    return vis.gpus
 
 
 def _report_tampering(grant: Any, reported: set[str]) -> None:
@@ -115,7 +184,7 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
     """
     # The reaper first: it kills the command's group if gpuwarden itself is SIGKILLed. Started
     # after the command, a kill during its start-up (~20 ms) left the command's children alive:
-    # PDEATHSIG reaches only the direct child. Now the window is Popen's return to add().
+    # PDEATHSIG reaches only the direct child.
     reaper = GroupReaper()
     # Forwarding too: a signal that comes while the command starts is passed on once its group
     # is known (before, it stopped gpuwarden alone and left the command running).
@@ -154,8 +223,10 @@ def _start(cmd: Sequence[str], env: dict[str, str], reaper_fd: int) -> subproces
     except FileNotFoundError as exc:
         raise UsageError(f"command not found: {cmd[0]!r}", fix="give a program on PATH or a path"
                          ) from exc
-    except PermissionError as exc:
-        raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror) from exc
+    except OSError as exc:  # no permission, not a program (ENOEXEC: a script without #!)
+        raise UsageError(f"command {cmd[0]!r} cannot be executed", why=exc.strerror,
+                         fix=f"chmod +x {cmd[0]}, or run it with its interpreter "
+                         f"(gpuwarden run -- sh {cmd[0]})") from exc
 
 
 def _wait_unreaped(child: subprocess.Popen[bytes], tick: Callable[[], None] | None) -> int:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gpuwarden.cli._args import add_simulate_arg, count_or_all, min_free_bytes
 from gpuwarden.cli._output import emit_json, is_terminal, note
 from gpuwarden.errors import EXIT_CONSTRAINT, UsageError
 
@@ -18,8 +19,8 @@ def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, .
     """The selection flags shared by select and run (launch takes only --min-free: its GPU count
     is its rank count)."""
     if count_flags:
-        p.add_argument(*count_flags, dest="count", type=int, default=1, metavar="N",
-                       help="how many GPUs (default 1)")
+        p.add_argument(*count_flags, dest="count", type=count_or_all(count_flags[0]), default=1,
+                       metavar="N|all", help="how many GPUs (default 1); all: every usable GPU")
     p.add_argument("--min-free", metavar="SIZE", default="0",
                    help="minimum free memory per GPU, e.g. 20GiB, 512MiB, or bytes")
     p.add_argument("--max-util", metavar="PCT", type=int, default=None,
@@ -33,17 +34,18 @@ def add_constraint_args(p: argparse.ArgumentParser, *, count_flags: tuple[str, .
 
 
 def constraints_from_args(args: argparse.Namespace) -> Constraints:
+    """The Constraints the flags describe; ``count`` is 1 for ``-n all`` (see wants_all)."""
     from gpuwarden.select import Constraints, parse_gpu_ids
-    from gpuwarden.units import parse_size
-
     count = getattr(args, "count", 1)
+    if count == "all":
+        count = 1
     if count is None or count < 1:
         raise UsageError(f"-n {count}: the number of GPUs must be at least 1", fix="give -n 1 or more")
     if args.max_util is not None and not 0 <= args.max_util <= 100:
         raise UsageError(f"--max-util {args.max_util} is not a percentage", fix="give 0..100")
     return Constraints(
         count=count,
-        min_free_bytes=parse_size(args.min_free, what="--min-free"),
+        min_free_bytes=min_free_bytes(args.min_free),
         max_util_pct=args.max_util,
         allow_shared=args.allow_shared,
         include=parse_gpu_ids(args.include, what="--include"),
@@ -60,6 +62,7 @@ def add_parser(sub: Any) -> None:
         "Exit 0 when N were found, 4 when not, 3 when no GPU can be read, 2 for bad input.",
     )
     add_constraint_args(p)
+    add_simulate_arg(p)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
     out.add_argument("--format", choices=("ids", "env", "csv"), default="ids",
@@ -68,12 +71,26 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def wants_all(args: argparse.Namespace) -> bool:
+    """``-n all`` / ``--gpus all``: every usable GPU (at least one)."""
+    return getattr(args, "count", 1) == "all"
+
+
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from gpuwarden.cli import inventory_of
-    from gpuwarden.select import select
+    from gpuwarden.select import check_include, select
 
     constraints = constraints_from_args(args)
-    _host, gpus = inventory_of(args).read_visible()
+    _host, vis = inventory_of(args).visibility()
+    gpus = vis.gpus
+    for line in vis.notes:  # e.g. CUDA stopped at an invalid entry: fewer GPUs than listed
+        note(f"gpuwarden: note: {line}")
+    check_include(gpus, constraints)
+    if wants_all(args):
+        usable = len(select(gpus, replace(constraints, count=0)).acceptable)
+        constraints = replace(constraints, count=max(1, usable))
     selection = select(gpus, constraints)
     if args.json:
         emit_json({
@@ -82,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             "unselected": [v.to_dict() for v in selection.verdicts
                            if v.accepted and v.gpu not in selection.selected],
             "satisfied": selection.satisfied,
+            "notes": list(vis.notes),
         })
     if not selection.satisfied:
         note(selection.error().render())

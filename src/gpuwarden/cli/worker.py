@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Any
 
+from gpuwarden.cli._args import bounded_int, min_free_bytes
 from gpuwarden.cli._output import note
 from gpuwarden.errors import EXIT_OK, UsageError
 
@@ -33,9 +34,10 @@ def add_parser(sub: Any) -> None:
                    help="the Dask scheduler, e.g. tcp://10.0.0.4:8786")
     p.add_argument("--gpus", default="all", metavar="N|all",
                    help="how many GPUs to lease (default all: every usable GPU)")
-    p.add_argument("--workers-per-gpu", type=int, default=1, metavar="K",
+    p.add_argument("--workers-per-gpu", type=bounded_int("--workers-per-gpu", 1), default=1,
+                   metavar="K",
                    help="Dask workers per GPU (default 1); each GPU is leased whole")
-    p.add_argument("--min-free", default=None, metavar="SIZE",
+    p.add_argument("--min-free", default=None, metavar="SIZE", type=_min_free,
                    help="minimum free memory per GPU, e.g. 20GiB")
     p.add_argument("--allow-shared", action="store_true",
                    help="accept GPUs that already run other processes (default compute mode)")
@@ -45,7 +47,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--wait", default=None, metavar="DURATION",
                    help="wait in line this long for the GPUs, e.g. 10m, inf (default: exit 4 "
                    "when they are not free)")
-    p.add_argument("--nthreads", type=int, default=1, metavar="T",
+    p.add_argument("--nthreads", type=bounded_int("--nthreads", 1), default=1, metavar="T",
                    help="threads per worker (default 1: one task at a time per worker)")
     p.add_argument("--host", default=None, metavar="ADDRESS",
                    help="address the workers listen on (default: the one that routes to the "
@@ -60,6 +62,11 @@ def add_parser(sub: Any) -> None:
                    help="no GPU, no lease: N x K CPU workers (N from --gpus, 1 for all), to test a set-up")
     p.add_argument("-v", "--verbose", action="store_true", help="Dask's own INFO logs")
     p.set_defaults(run=run)
+
+
+def _min_free(text: str) -> str:
+    min_free_bytes(text)  # checked here, in the flag's own words; the library parses it again
+    return text
 
 
 def _gpus(text: str) -> int | str:

@@ -75,7 +75,9 @@ class WorkerOptions:
         for what, value in (("workers_per_gpu", self.workers_per_gpu),
                             ("nthreads", self.nthreads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{what}={value!r}: must be 1 or more")
+                raise UsageError(f"{what}={value!r}: must be 1 or more",
+                                 fix=f"{what}=1 or more (--{what.replace('_', '-')} on the "
+                                 "command line)")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise UsageError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]",
                              fix="e.g. 0.45 for two workers per GPU")

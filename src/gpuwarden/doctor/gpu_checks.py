@@ -12,7 +12,7 @@ from gpuwarden.doctor.model import Check, Status, check
 from gpuwarden.doctor.probes import TorchInfo
 from gpuwarden.errors import GpuwardenError, VisibilityError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot, HostSnapshot
-from gpuwarden.select import Constraints, select
+from gpuwarden.select import Constraints, Refusal, select
 from gpuwarden.units import format_bytes
 from gpuwarden.visibility import Visibility, parse_visibility
 
@@ -265,26 +265,27 @@ def check_nproc(gpus: Sequence[GPUSnapshot] | None, nproc: int | None) -> Check:
         return check(cid, code, SKIP, "no --nproc given")
     if gpus is None or not gpus:
         return check(cid, code, SKIP, f"no visible GPU: {nproc} rank(s) would run on CPU with gloo")
+    # The verdicts `gpuwarden launch -n N` acts on: a GPU of its own per rank, never one another
+    # job's process is on (launch has no --allow-shared), so doctor and launch agree.
     alone = select(gpus, Constraints(count=nproc))
-    shared = select(gpus, Constraints(count=nproc, allow_shared=True))
-    evidence = [v.line() for v in shared.verdicts]
     if alone.satisfied:
         ids = ",".join(g.cuda_id for g in alone.selected)
         return check(cid, code, OK, f"{nproc} rank(s) fit on GPUs of their own: {ids}",
                      evidence=[v.line() for v in alone.verdicts])
-    if shared.satisfied:
-        ids = ",".join(g.cuda_id for g in shared.selected)
-        return check(cid, code, WARN,
-                     f"{nproc} rank(s) fit only by sharing GPUs with other processes ({ids})",
-                     why="fewer idle GPUs than ranks; the shared ones already hold other jobs' memory",
-                     fix="fewer ranks, or wait until GPUs free up (`gpuwarden select` shows them)",
-                     evidence=evidence)
-    return check(cid, code, FAIL,
-                 f"{nproc} rank(s) need {nproc} usable GPUs, {len(shared.acceptable)} of "
-                 f"{len(gpus)} visible are usable",
-                 why="more ranks than usable GPUs put two ranks on one GPU ('Duplicate GPU "
-                 "detected') or on a GPU that refuses them ('busy or unavailable')",
-                 fix=f"--nproc {len(shared.acceptable) or 1} or fewer, or free or add GPUs",
+    evidence = [v.line() for v in alone.verdicts]
+    free = len(alone.acceptable)
+    busy = sum(1 for v in alone.verdicts if v.refusal is Refusal.IN_USE)
+    what = (f"{nproc} rank(s) need {nproc} GPUs of their own, {free} of {len(gpus)} visible "
+            f"are usable")
+    if busy:
+        what += f" ({busy} more run other jobs' processes)"
+    return check(cid, code, FAIL, what,
+                 why="`gpuwarden launch` gives every rank a GPU no other job uses and refuses "
+                 "to start with fewer; with torchrun, two ranks on one GPU fail with 'Duplicate "
+                 "GPU detected', and a GPU in an exclusive mode refuses them ('busy or "
+                 "unavailable')",
+                 fix=(f"--nproc {free} or fewer, or " if free else "")
+                 + "wait for GPUs to free (`gpuwarden launch --wait 10m`), or free or add GPUs",
                  evidence=evidence)
 
 

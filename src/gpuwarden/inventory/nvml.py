@@ -40,11 +40,19 @@ from types import SimpleNamespace
 from typing import Any
 
 from gpuwarden.errors import NoGPUError, NVMLError
-from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
+from gpuwarden.inventory.snapshot import (
+    ComputeMode,
+    GPUHealth,
+    GPUProcess,
+    GPUSnapshot,
+    HostSnapshot,
+    throttle_reason_names,
+)
 
 _NO_NVML_FIX = (
     "on a GPU host install the NVIDIA driver (it ships libnvidia-ml.so.1); in a container start it "
-    "with GPUs (--gpus all); to try gpuwarden without a GPU set GPUWARDEN_SIMULATE=<scenario.json>"
+    "with GPUs (--gpus all); to try gpuwarden without a GPU: `gpuwarden ls --simulate example`, "
+    "or GPUWARDEN_SIMULATE=<scenario name or file> for every command (docs/scenarios.md)"
 )
 
 _MODES = {0: ComputeMode.DEFAULT, 1: ComputeMode.EXCLUSIVE_THREAD, 2: ComputeMode.PROHIBITED,
@@ -133,6 +141,23 @@ class _Session:
             return fn(*args)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_NoPermission,
                 nvml.NVMLError_NotFound, nvml.NVMLError_FunctionNotFound):
+            return None
+
+    def detail(self, name: str, *args: Any) -> Any:
+        """A reading nothing depends on (temperature, clocks, ECC ...): None whenever NVML
+        cannot give it, for any reason but a lost GPU, which the core queries report.
+
+        Drivers answer these with more than the usual three refusals (UNKNOWN on some boards'
+        power sensors, INVALID_ARGUMENT past the last NVLink, ...); none of them may cost the
+        GPU its place in the listing.
+        """
+        nvml = self.nvml
+        try:
+            return self.optional(name, *args)
+        except nvml.NVMLError as exc:
+            lost = getattr(nvml, "NVMLError_GpuIsLost", None)
+            if lost is not None and isinstance(exc, lost):
+                raise
             return None
 
     def required(self, name: str, *args: Any) -> Any:
@@ -270,7 +295,75 @@ class _Reader:
             mig_enabled=mig_enabled,
             processes=self.processes(handle),
             mig_devices=self.mig_devices(handle, index, uuid) if mig_enabled else (),
+            health=self.health(handle),
         )
+
+    def health(self, handle: Any) -> GPUHealth:
+        """Temperature, power, clocks and their event reasons, ECC, retired memory, NVLink."""
+        nvml, d = self.nvml, self.s.detail
+        power_mw = d("nvmlDeviceGetPowerUsage", handle)
+        limit_mw = d("nvmlDeviceGetEnforcedPowerLimit", handle)
+        if limit_mw is None:
+            limit_mw = d("nvmlDeviceGetPowerManagementLimit", handle)
+        # Renamed "event reasons" in drivers 535+; older bindings have only the old name.
+        reasons = d("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        if reasons is None:
+            reasons = d("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        pstate = d("nvmlDeviceGetPerformanceState", handle)
+        return GPUHealth(
+            temperature_c=_int(d("nvmlDeviceGetTemperature", handle,
+                                 getattr(nvml, "NVML_TEMPERATURE_GPU", 0))),
+            fan_speed_pct=_int(d("nvmlDeviceGetFanSpeed", handle)),
+            power_draw_w=None if power_mw is None else round(power_mw / 1000, 1),
+            power_limit_w=None if limit_mw is None else round(limit_mw / 1000, 1),
+            performance_state=None if pstate is None or pstate == 32 else int(pstate),  # 32: unknown
+            sm_clock_mhz=_int(d("nvmlDeviceGetClockInfo", handle, _const(nvml, "NVML_CLOCK_SM", 1))),
+            sm_clock_max_mhz=_int(d("nvmlDeviceGetMaxClockInfo", handle,
+                                    _const(nvml, "NVML_CLOCK_SM", 1))),
+            memory_clock_mhz=_int(d("nvmlDeviceGetClockInfo", handle,
+                                    _const(nvml, "NVML_CLOCK_MEM", 2))),
+            throttle_reasons=None if reasons is None else throttle_reason_names(int(reasons)),
+            ecc_errors_uncorrected=_int(d(
+                "nvmlDeviceGetTotalEccErrors", handle,
+                _const(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                _const(nvml, "NVML_VOLATILE_ECC", 0))),
+            retired_pages=self._retired_pages(handle),
+            memory_repair_pending=self._repair_pending(handle),
+            **self._nvlinks(handle),
+        )
+
+    def _retired_pages(self, handle: Any) -> int | None:
+        """Pages retired for ECC errors (both causes); None where the GPU does not retire
+        pages (Ampere and later remap rows instead) or NVML cannot say."""
+        total = None
+        for cause in ("NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS",
+                      "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR"):
+            pages = self.s.detail("nvmlDeviceGetRetiredPages", handle, _const(self.nvml, cause, 0))
+            if pages is not None:
+                total = (total or 0) + len(pages)
+        return total
+
+    def _repair_pending(self, handle: Any) -> bool | None:
+        """A retired page or a remapped row that takes effect at the next GPU reset."""
+        d = self.s.detail
+        pending = d("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+        rows = d("nvmlDeviceGetRemappedRows", handle)  # (corrected, uncorrected, pending, failed)
+        answers = [bool(pending)] if pending is not None else []
+        if rows is not None and len(rows) >= 3:
+            answers.append(bool(rows[2]))
+        return any(answers) if answers else None
+
+    def _nvlinks(self, handle: Any) -> dict[str, int | None]:
+        """Links that answer, and those up. A GPU without NVLink answers none: both None."""
+        nvml = self.nvml
+        total = active = 0
+        for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+            state = self.s.detail("nvmlDeviceGetNvLinkState", handle, link)
+            if state is None:  # past the last link (NOT_SUPPORTED / INVALID_ARGUMENT)
+                break
+            total += 1
+            active += int(state == _const(nvml, "NVML_FEATURE_ENABLED", 1))
+        return {"nvlinks_total": total or None, "nvlinks_active": active if total else None}
 
     def mig_devices(self, handle: Any, index: int, parent_uuid: str) -> tuple[GPUSnapshot, ...]:
         s = self.s
@@ -359,6 +452,7 @@ class _Reader:
     def _describe(self, pid: int, contexts: set[str], used: int | None) -> GPUProcess:
         context = "compute+graphics" if len(contexts) == 2 else next(iter(contexts))
         user, command, note = None, None, None
+        stats: dict[str, Any] = {}
         if self.nested:
             # NVML's pid is the host's; a process here with that number is another one.
             note = NOT_IN_PID_NAMESPACE
@@ -370,6 +464,7 @@ class _Reader:
                 with proc.oneshot():
                     user = proc.username()
                     command = " ".join(proc.cmdline()) or proc.name()
+                    stats = _host_stats(proc)
             except psutil.NoSuchProcess:
                 note = EXITED
             except (psutil.Error, OSError):
@@ -379,7 +474,38 @@ class _Reader:
             name = _quiet(lambda: self.s.optional("nvmlSystemGetProcessName", pid), self.nvml)
             command = _text(name) if name else None
         return GPUProcess(pid=pid, user=user, command=command, used_memory_bytes=used,
-                          context=context, note=note)
+                          context=context, note=note, **stats)
+
+
+def _host_stats(proc: Any) -> dict[str, Any]:
+    """Resident memory, CPU time and age of a process, each None when it cannot be read
+    (another user's process under hidepid, a process that just ended)."""
+    import time
+
+    import psutil
+
+    out: dict[str, Any] = {}
+    for key, read in (("host_memory_rss_bytes", lambda: int(proc.memory_info().rss)),
+                      ("cpu_time_s", lambda: _cpu_seconds(proc.cpu_times())),
+                      ("elapsed_s", lambda: max(0.0, round(time.time() - proc.create_time(), 1)))):
+        try:
+            out[key] = read()
+        except (psutil.Error, OSError):
+            out[key] = None
+    return out
+
+
+def _cpu_seconds(times: Any) -> float:
+    return round(float(times.user) + float(times.system), 2)
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _const(nvml: Any, name: str, default: int) -> int:
+    """An NVML constant from the bindings, or its C value when old bindings lack it."""
+    return int(getattr(nvml, name, default))
 
 
 def _quiet(query: Callable[[], Any], nvml: Any) -> Any:

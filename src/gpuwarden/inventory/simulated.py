@@ -1,24 +1,61 @@
-"""A simulated host read from a scenario JSON file (format: tests/scenarios/example.json).
+"""A simulated host read from a scenario JSON file (every field: docs/scenarios.md).
 
 It produces the same :class:`HostSnapshot` the NVML backend does, so everything
 above the boundary runs unchanged on a machine without a GPU. Validation names
 the offending field (``gpus[1].memory_total_mib: expected an integer, got 'x'``).
+Scenarios ship with the package (``gpuwarden/inventory/scenarios``): GPUWARDEN_SIMULATE
+and ``--simulate`` take one's name (``two-idle``) as well as a path.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from gpuwarden.boundedio import InputRefused, decode_utf8, read_regular
 from gpuwarden.errors import ScenarioError
-from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
+from gpuwarden.inventory.snapshot import (
+    THROTTLE_REASONS,
+    ComputeMode,
+    GPUHealth,
+    GPUProcess,
+    GPUSnapshot,
+    HostSnapshot,
+)
+from gpuwarden.safetext import escape_untrusted
 from gpuwarden.units import MIB
 
-_FIX = ("correct the file named by GPUWARDEN_SIMULATE (format: tests/scenarios/example.json "
-        "in gpuwarden's repository)")
+_FIX = ("correct the scenario file (every field is described in docs/scenarios.md; "
+        "`gpuwarden ls --simulate example` shows a valid one)")
+
+SHIPPED_DIR = Path(__file__).parent / "scenarios"
+
+
+def shipped_scenarios() -> tuple[str, ...]:
+    """Names of the scenarios that ship with gpuwarden (``two-idle``, ``example`` ...)."""
+    return tuple(sorted(p.stem for p in SHIPPED_DIR.glob("*.json")))
+
+
+def resolve_scenario(value: str | Path) -> Path:
+    """The file a scenario value names: a shipped scenario's name, else a path.
+
+    A bare word that is neither a shipped scenario nor an existing file is refused with the
+    list of shipped names (a path that does not exist is refused when it is read).
+    """
+    text = str(value)
+    if text and os.sep not in text and not text.endswith(".json"):
+        shipped = SHIPPED_DIR / f"{text}.json"
+        if shipped.is_file():
+            return shipped
+        if not os.path.exists(text):
+            raise ScenarioError(f"no scenario named {escape_untrusted(text, 60)!r}",
+                                fix=f"one of {', '.join(shipped_scenarios())}, or the path of "
+                                "a scenario file (docs/scenarios.md)")
+    return Path(text)
 
 
 class SimulatedBackend:
@@ -30,7 +67,9 @@ class SimulatedBackend:
         self.path = Path(path)
 
     def read_host(self) -> HostSnapshot:
-        return parse_scenario(load_scenario(self.path), source=f"simulated:{self.path}")
+        path = resolve_scenario(self.path)
+        shown = self.path.name if path.parent == SHIPPED_DIR else self.path
+        return parse_scenario(load_scenario(path), source=f"simulated:{shown}")
 
 
 def load_scenario(path: str | Path) -> Any:
@@ -158,6 +197,41 @@ def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
         processes=processes,
         mig_devices=migs,
         error=f.get("error", str, default=None),
+        health=_parse_health(f.get("health", dict, default={}), f"{where}.health"),
+    )
+
+
+_REASON_NAMES = tuple(name for _bit, name in THROTTLE_REASONS)
+
+
+def _parse_health(raw: dict[str, Any], where: str) -> GPUHealth:
+    f = _Fields(raw, where)
+    unknown = sorted(set(raw) - {x.name for x in fields(GPUHealth)})
+    if unknown:
+        raise ScenarioError(f"{where}.{unknown[0]}: not a health field",
+                            fix=f"use {', '.join(x.name for x in fields(GPUHealth))}")
+    reasons = f.get("throttle_reasons", list, default=None)
+    if reasons is not None:
+        for i, reason in enumerate(reasons):
+            if reason not in _REASON_NAMES:
+                raise ScenarioError(f"{where}.throttle_reasons[{i}]: {_short(reason)} is not a "
+                                    "clock event reason", fix=f"use {', '.join(_REASON_NAMES)}")
+        reasons = tuple(reasons)
+    return GPUHealth(
+        temperature_c=f.get("temperature_c", int, default=None),
+        fan_speed_pct=f.get("fan_speed_pct", int, default=None),
+        power_draw_w=f.get("power_draw_w", float, default=None),
+        power_limit_w=f.get("power_limit_w", float, default=None),
+        performance_state=f.get("performance_state", int, default=None),
+        sm_clock_mhz=f.get("sm_clock_mhz", int, default=None),
+        sm_clock_max_mhz=f.get("sm_clock_max_mhz", int, default=None),
+        memory_clock_mhz=f.get("memory_clock_mhz", int, default=None),
+        throttle_reasons=reasons,
+        ecc_errors_uncorrected=f.get("ecc_errors_uncorrected", int, default=None),
+        retired_pages=f.get("retired_pages", int, default=None),
+        memory_repair_pending=f.get("memory_repair_pending", bool, default=None),
+        nvlinks_active=f.get("nvlinks_active", int, default=None),
+        nvlinks_total=f.get("nvlinks_total", int, default=None),
     )
 
 
@@ -186,6 +260,7 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
     for i, item in enumerate(raw):
         f = _Fields(item, f"{where}[{i}]")
         mib = f.get("used_memory_mib", int, default=None)
+        rss_mib = f.get("host_memory_rss_mib", int, default=None)
         context = f.get("context", str, default="compute")
         if context not in _CONTEXTS:
             raise ScenarioError(f"{where}[{i}].context: {_short(context)} is not a context",
@@ -198,6 +273,9 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
                 used_memory_bytes=None if mib is None else mib * MIB,
                 context=context,
                 note=f.get("note", str, default=None),
+                host_memory_rss_bytes=None if rss_mib is None else rss_mib * MIB,
+                cpu_time_s=f.get("cpu_time_s", float, default=None),
+                elapsed_s=f.get("elapsed_s", float, default=None),
             )
         )
     return tuple(out)
@@ -224,15 +302,17 @@ class _Fields:
                 raise ScenarioError(f"{self.where}.{key}: missing", fix=_FIX)
             return default
         value = self.data[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # 300 W is as good as 300.0 W
         # bool is an int in Python; a scenario saying "index": true is still wrong.
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
         if not ok:
             raise ScenarioError(
                 f"{self.where}.{key}: expected {_KIND_NAMES.get(kind, kind.__name__)}, "
                 f"got {_short(value)}",
                 fix=_FIX,
             )
-        if kind is int and value < 0:
+        if kind in (int, float) and value < 0:
             raise ScenarioError(f"{self.where}.{key}: must not be negative, got {value}", fix=_FIX)
         return value
 
@@ -242,4 +322,5 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-_KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", list: "a list"}
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               list: "a list", dict: "an object"}

@@ -7,9 +7,11 @@ utilization) is ``None`` rather than a made-up zero.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
+
+from gpuwarden.safetext import escape_untrusted
 
 
 class ComputeMode(str, Enum):
@@ -38,6 +40,11 @@ class GPUProcess:
     context: str = "compute"
     # Why user/command are missing: e.g. "pid not in this PID namespace (container)".
     note: str | None = None
+    # From the host's process table (psutil), None when not visible to us: resident host
+    # memory, CPU time used so far (user + system), and how long it has been running.
+    host_memory_rss_bytes: int | None = None
+    cpu_time_s: float | None = None
+    elapsed_s: float | None = None
 
     @property
     def has_compute(self) -> bool:
@@ -45,10 +52,85 @@ class GPUProcess:
         return "compute" in self.context
 
     def describe(self) -> str:
-        """'pid 5151 (carol, python eval.py)' — the form used in every reason string."""
+        """'pid 5151 (carol, python eval.py)' — the form used in every reason string.
+
+        The user name and command line are another user's writing (NVML, /proc): escaped and
+        bounded here, so no reason string can carry terminal controls or megabytes of argv.
+        """
         kind = None if self.context == "compute" else f"{self.context} context"
-        who = ", ".join(x for x in (self.user, self.command, kind, self.note) if x)
+        user = None if self.user is None else escape_untrusted(self.user, 64)
+        command = None if self.command is None else escape_untrusted(self.command, 120)
+        who = ", ".join(x for x in (user, command, kind, self.note) if x)
         return f"pid {self.pid} ({who})" if who else f"pid {self.pid}"
+
+
+# NVML's clock event ("throttle") reason bits (nvmlClocksEventReason*, stable since driver
+# 352); names as nvidia-smi -q prints them, in lower case.
+THROTTLE_REASONS = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clocks"),
+)
+# The reasons that mean the GPU runs slower than it could for a cause outside the job (an idle
+# GPU or clocks an admin set are not news): what `gpuwarden ls` flags.
+SLOWDOWN_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
+                              "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+
+
+def throttle_reason_names(mask: int) -> tuple[str, ...]:
+    """NVML's reason bit mask as names; unknown bits as hex (a newer driver's reason)."""
+    names = [name for bit, name in THROTTLE_REASONS if mask & bit]
+    unknown = mask & ~sum(bit for bit, _ in THROTTLE_REASONS)
+    if unknown:
+        names.append(f"0x{unknown:x}")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class GPUHealth:
+    """What nvidia-smi shows beside memory: temperature, power, clocks and why they are held
+    back, ECC errors and retired memory, NVLink. Every field is None when NVML cannot say."""
+
+    temperature_c: int | None = None
+    fan_speed_pct: int | None = None
+    power_draw_w: float | None = None
+    power_limit_w: float | None = None
+    performance_state: int | None = None  # P0 (fastest) .. P15
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    # Active clock event ("throttle") reasons, see THROTTLE_REASONS; () when none.
+    throttle_reasons: tuple[str, ...] | None = None
+    # Uncorrectable ECC errors since the driver loaded (volatile counter); None with ECC off.
+    ecc_errors_uncorrected: int | None = None
+    # Memory pages retired for ECC errors (pre-Ampere), and whether a retirement or a row
+    # remapping (Ampere and later) waits for a GPU reset to take effect.
+    retired_pages: int | None = None
+    memory_repair_pending: bool | None = None
+    nvlinks_active: int | None = None
+    nvlinks_total: int | None = None
+
+    @property
+    def slowdowns(self) -> tuple[str, ...]:
+        """The active reasons that slow the GPU down for a cause outside the job."""
+        return tuple(r for r in self.throttle_reasons or () if r in SLOWDOWN_REASONS)
+
+    def problems(self) -> tuple[str, ...]:
+        """What an operator should look at, in words ('3 uncorrectable ECC errors', ...)."""
+        out = []
+        if self.ecc_errors_uncorrected:
+            out.append(f"{self.ecc_errors_uncorrected} uncorrectable ECC error(s)")
+        if self.memory_repair_pending:
+            out.append("memory repair pending a GPU reset")
+        if self.slowdowns:
+            out.append("slowed: " + ", ".join(self.slowdowns))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -72,6 +154,9 @@ class GPUSnapshot:
     # Set when the GPU could not be read: NVML's error ("NVML: GPU is lost"). Its other
     # fields are then what was read before the error (memory 0); selection refuses it.
     error: str | None = None
+    # Health and speed, as nvidia-smi and nvitop show them; None wherever NVML cannot say
+    # (a board without the sensor, an old driver, a MIG instance).
+    health: GPUHealth = field(default_factory=GPUHealth)
 
     @property
     def memory_free_bytes(self) -> int:

@@ -132,9 +132,18 @@ class LaunchConfig:
         return self.gpus if isinstance(self.gpus, int) else None
 
 
+# More ranks than one node runs: the largest nodes have a few hundred cores and 72 GPUs, and
+# every rank is a process with its own pipes and files in the supervisor.
+MAX_RANKS_PER_NODE = 1024
+
+
 def _validate(c: LaunchConfig) -> None:
     if c.nproc is not None and c.nproc < 1:
         raise UsageError(f"-n {c.nproc}: a job needs at least one rank", fix="give -n 1 or more")
+    if c.nproc is not None and c.nproc > MAX_RANKS_PER_NODE:
+        raise UsageError(f"-n {c.nproc}: more ranks than one node runs (at most "
+                         f"{MAX_RANKS_PER_NODE})", fix="fewer ranks per node, or spread them "
+                         "over nodes (--nnodes N, one gpuwarden launch per node)")
     if isinstance(c.gpus, str) and c.gpus != "all":
         raise UsageError(f"--gpus {c.gpus!r} is neither a number nor 'all'", fix="--gpus 2 or --gpus all")
     if isinstance(c.gpus, int) and c.gpus < 1:

@@ -79,12 +79,18 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
     """Lease the GPUs (gpuwarden.lease): the pick and the claim are one atomic step between
     jobs on this host, and ``--wait`` waits in line. The grant is held by this (supervising)
     process; ranks never inherit its lock files (they are started with ``close_fds``)."""
-    from gpuwarden.lease import acquire
+    import sys
 
+    from gpuwarden.lease import StatusPrinter, acquire
+
+    # --wait says what it waits for, as `gpuwarden run` does (a live line on a terminal).
+    printer = StatusPrinter(sys.stderr)
     try:
-        grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
-                        constraints=constraints, label=f"gpuwarden launch {config.target}",
-                        visible=visible, inventory=inventory)
+        with printer:
+            grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
+                            constraints=constraints, label=f"gpuwarden launch {config.target}",
+                            visible=visible, inventory=inventory,
+                            on_wait=printer if config.wait_s else None)
     except ConstraintError as exc:
         raise _more_ranks_than_gpus(exc, world, count) from exc
     return TakenGPUs(tuple(grant.gpus), (), grant.release)

@@ -154,7 +154,10 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
         signum = int(getattr(signal, outcome.interrupted_by, signal.SIGTERM))
         return LaunchReport(
             128 + signum, "LAUNCH_INTERRUPTED",
-            f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} rank(s)",
+            f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} rank(s)"
+            if len(outcome.pids) >= plan.world_size else
+            f"gpuwarden received {outcome.interrupted_by} while starting ranks and stopped the "
+            f"{len(outcome.pids)} of {plan.world_size} it had started",
             evidence=[_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)])
     elapsed = outcome.ended_at - outcome.started_at
     return LaunchReport(0, None, f"{plan.world_size} rank(s) finished in {elapsed:.1f} s")

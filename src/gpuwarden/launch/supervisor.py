@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
 STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
+START_PROGRESS_S = 2.0  # a start of many ranks says how far it got this often
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
@@ -198,8 +199,7 @@ class Supervisor:
         try:
             self._control = control.serve(self)
             self._ctx = ProcessContext()
-            for spec in self.plan.ranks:
-                self._start(spec)
+            self._start_ranks()
             self._loop()
         finally:
             self._final_cleanup()
@@ -214,6 +214,22 @@ class Supervisor:
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
                           self._interrupt, self.peers, self._stopped_for, self._job_failure,
                           self._own_record)
+
+    def _start_ranks(self) -> None:
+        """Start the plan's ranks. A stop signal (Ctrl-C, SIGTERM) ends the starting: the loop
+        then stops the ranks already started. A start that takes long says how far it got."""
+        total = len(self.plan.ranks)
+        next_note = time.monotonic() + START_PROGRESS_S
+        for started, spec in enumerate(self.plan.ranks):
+            if self._interrupt is not None:
+                print(f"gpuwarden: {self._interrupt} while starting ranks: {started} of {total} "
+                      "started, stopping them", file=self.err, flush=True)
+                return
+            self._start(spec)
+            if time.monotonic() >= next_note and started + 1 < total:
+                next_note = time.monotonic() + START_PROGRESS_S
+                print(f"gpuwarden: started {started + 1} of {total} ranks", file=self.err,
+                      flush=True)
 
     def _start(self, spec: RankSpec) -> None:
         status = StatusReader(spec.files.status)

@@ -313,11 +313,13 @@ class GPUPool(Executor):
             raise UsageError(f"start_method={start_method!r} is not one of {START_METHODS}",
                              fix="'forkserver' (fast starts, preloads once) or 'spawn'")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
-            raise UsageError(f"memory_fraction={memory_fraction}: must be in (0, 1]")
+            raise UsageError(f"memory_fraction={memory_fraction}: must be in (0, 1]",
+                             fix="a fraction of the GPU, e.g. 0.45 with two workers per GPU")
         _check_count("max_workers", max_workers)
         _check_count("cpu_workers", cpu_workers)
         if isinstance(gpus, bool) or (isinstance(gpus, int) and gpus < 0):
-            raise UsageError(f"gpus={gpus!r}: expected 'auto', a count >= 0, or a list of ids")
+            raise UsageError(f"gpus={gpus!r}: expected 'auto', a count >= 0, or a list of ids",
+                             fix="gpus='auto', gpus=2 or gpus=[0, 3]")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         pickled_initializer = None if initializer is None \

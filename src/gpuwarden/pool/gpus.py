@@ -96,7 +96,8 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
     inventory = inventory or Inventory.from_env()
     explicit = spec != "auto"
     if isinstance(spec, str) and spec != "auto":
-        raise UsageError(f"gpus={spec!r}: expected 'auto', a count, or a list of ids")
+        raise UsageError(f"gpus={spec!r}: expected 'auto', a count, or a list of ids",
+                         fix="gpus='auto', gpus=2 or gpus=[0, 3]")
     try:
         _, visible = inventory.read_visible()
     except NoGPUError as exc:
