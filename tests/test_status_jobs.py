@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +23,7 @@ import pytest
 from gpuwarden.cli import main
 from gpuwarden.inventory import Inventory
 from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
+from tests._unix_users import made_user
 from tests.conftest import SCENARIOS
 
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "straggler.py")
@@ -207,18 +206,8 @@ def test_gpu_memory_comes_from_nvml_by_rank_pid(job: Job) -> None:
 
 @pytest.fixture(scope="module")
 def other_user() -> Iterator[tuple[int, int]]:
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd: the test acts as a second unix user")
-    name = f"gwst{os.getpid() % 1000000}"
-    made = subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell",
-                           "/usr/sbin/nologin", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"useradd cannot create a user here: {made.stderr.strip()}")
-    try:
-        entry = pwd.getpwnam(name)
-        yield entry.pw_uid, entry.pw_gid
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
+    with made_user("st") as user:
+        yield user.uid, user.gid
 
 
 def as_user(uid: int, gid: int, body: Any) -> tuple[int, str, str]:
