@@ -8,8 +8,8 @@ name, and ``fields``, evidence the answer must carry, e.g. ``{ pid = 4242 }``).
 The accuracy table is printed (pytest -s, or on failure).
 
 These logs were used while writing the signatures; the held-back splits
-(tests/explain_heldout/, tests/explain_heldout_v3/, tests/explain_heldout_v3b/, measured by
-benchmarks/explain_heldout.py) were not. Only their metadata is checked here: each case's
+(tests/explain_heldout/, tests/explain_heldout_v3/, tests/explain_heldout_v3b/,
+tests/explain_heldout_v3c/, measured by benchmarks/explain_heldout.py) were not. Only their metadata is checked here: each case's
 log, code, public source, and (v3) the forms it reached us in.
 
 The v3 cases of this corpus also carry ``form`` (how the log reached us: "plain", or the hard
@@ -53,7 +53,7 @@ def test_every_case_has_a_log_an_expected_code_and_a_public_source() -> None:
 
 
 HELD_BACK = [Path(__file__).parent / d for d in
-             ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b")]
+             ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b", "explain_heldout_v3c")]
 FORMS = {"plain", "prefix", "wrapped", "interleaved", "truncated", "windows", "localized", "ansi",
          "rich", "mangled", "json"}
 
