@@ -150,13 +150,14 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    "whichever node hosts --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="",
                    metavar="HOST[:PORT]", help="the store's address, taken as --master-addr and "
-                   f"--master-port (port {C10D_DEFAULT_PORT} when left out)")
+                   f"--master-port (port {C10D_DEFAULT_PORT} when left out; static: 29500)")
     g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="ID",
                    help="the job's id (TORCHELASTIC_RUN_ID; names the --log-dir subdirectory)")
     g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="", metavar="K=V,...",
                    help="torch's rendezvous settings, torchrun's meanings: join_timeout (= "
-                   "--rdzv-timeout), last_call_timeout, close_timeout, read_timeout, is_host, "
-                   "keep_alive_interval, keep_alive_max_attempt (seconds or counts)")
+                   "--rdzv-timeout), last_call_timeout, close_timeout, heartbeat_timeout, "
+                   "read_timeout, is_host, keep_alive_interval, keep_alive_max_attempt "
+                   "(seconds or counts)")
     g.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", default="5m",
                    metavar="DURATION", help="how long every node waits for the others before "
                    "any rank starts (the endpoint to answer, then every node to join), naming "
