@@ -35,7 +35,7 @@ import pytest
 
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError
 from gpuwarden.lease import acquire, lease, list_leases
-from tests._lease_util import F_OFD_SETLK, fork_child, wait_all
+from tests._lease_util import F_OFD_SETLK, fork_child, kept_in_child, wait_all
 from tests._unix_users import User, as_user, holding, made_user
 
 pytestmark = [
@@ -487,6 +487,26 @@ def test_every_lock_kind_on_the_mutex_or_a_slot_is_named_or_harmless(shared, mal
             assert f"GPU1 leased by pid {pid} ({mallory.name}" in why and "read lock" in why, why
         else:
             assert "GPU1 leased by an open file description lock" in why, why
+
+
+def test_a_flock_on_a_dead_record_of_another_user_revives_nothing(shared, mallory):
+    """Records are readable by every user, and a flock needs only a read descriptor: Mallory
+    flocks the record root's SIGKILLed holder left behind. Only a record an older gpuwarden
+    wrote is kept alive by a flock, so root's GPU is not blocked under root's own name."""
+    leases = shared / "tmp" / "leases"
+    leases.mkdir(mode=0o700)
+    _init(leases)
+    with kept_in_child(lambda: acquire(1)) as holder:
+        os.kill(holder, signal.SIGKILL)
+    [dead] = list(leases.glob("holder.*.json"))
+
+    def flock_it() -> int:
+        fd = os.open(dead, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    with holding(mallory, flock_it), lease(2) as grant:
+        assert grant.visible_devices == "0,1"
 
 
 # -- 6. FIFOs where a mutex, slot or record file is expected ----------------------------------------

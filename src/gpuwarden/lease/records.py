@@ -107,6 +107,7 @@ class Record:
     # Written by an older gpuwarden (a flock on the file, no record lock): its claims are kept
     # off (no two versions grant one slot), but its pid is only what the file says.
     legacy: bool = False
+    schema: int = field(default=RECORD_SCHEMA, compare=False)  # what the file says it is
 
     @property
     def started_at(self) -> float:
@@ -459,8 +460,10 @@ class Scanner:
             return None
         assert known.parsed is not None
         if legacy:
-            if known.parsed.kind != "holder":
-                return None  # an older version's waiting request: not ordered with ours
+            # Only a record an older version wrote is kept alive by a flock: any user who can
+            # read a dead record of this version can flock it, and must not revive it.
+            if known.parsed.kind != "holder" or known.parsed.schema >= RECORD_SCHEMA:
+                return None  # a dead record, or an older version's waiting request (unordered)
             return replace(known.parsed, pid=known.parsed.pid, uid=st.st_uid, legacy=True,
                            user=_fs.user_name(st.st_uid), born_ns=st.st_mtime_ns,
                            ino=st.st_ino, path=path)
@@ -545,6 +548,7 @@ def parse_record_bytes(raw: bytes, name: str) -> Record:
         max_util_pct=None if util is None else _int(util, 0, 101),
         allow_shared=data.get("allow_shared") is True,
         uuids=tuple(_text(u, 120) for u in _list(data.get("uuids", []))),
+        schema=_int(data.get("schema", 1), 0, 1 << 16),
     )
 
 
