@@ -124,23 +124,3 @@ def test_worker_says_at_once_that_the_scheduler_refuses(capsys: pytest.CaptureFi
                      "up to 2 s")
     assert rest[0].startswith("error[DASK_SCHEDULER_UNREACHABLE]: ")
     assert not any("Traceback" in line for line in rest)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(("source", "words"), [
-    ("def f(:\n", "SyntaxError: invalid syntax"),  # the script never ran: no frame at all
-    ("#!/bin/sh\necho hi\n", "SyntaxError: invalid syntax"),  # a shell script without --no-python
-    (None, "No module named nosuchmodule"),  # -m nosuchmodule
-])
-def test_a_script_that_cannot_start_shows_none_of_gpuwarden_s_frames(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path, source: str | None, words: str) -> None:
-    if source is None:
-        target = ["-m", "nosuchmodule"]
-    else:
-        script = tmp_path / "script.py"
-        script.write_text(source)
-        target = [str(script)]
-    assert main(["launch", "-n", "1", *target]) == 1
-    err = capsys.readouterr().err
-    assert words in err and "error[RANK_FAILED]" in err
-    assert "_bootstrap.py" not in err and "runpy" not in err and "Traceback" not in err

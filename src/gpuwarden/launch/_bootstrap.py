@@ -145,7 +145,7 @@ def _script_traceback(exc: BaseException) -> types.TracebackType | None:
     while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
                               or "runpy" in tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    return tb  # None when the script never ran (a SyntaxError): python shows no frame either
+    return tb or exc.__traceback__
 
 
 def _write_error(path: str, exc: BaseException) -> None:
