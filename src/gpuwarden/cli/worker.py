@@ -12,7 +12,6 @@ from typing import Any
 from gpuwarden.cli._args import bounded_int, min_free_bytes
 from gpuwarden.cli._output import note
 from gpuwarden.errors import EXIT_OK, UsageError
-from gpuwarden.safetext import escape_untrusted
 
 
 def add_parser(sub: Any) -> None:
@@ -88,42 +87,6 @@ def _check_scheduler_address(address: str) -> None:
                          "after 'Scheduler at:', e.g. tcp://10.0.0.4:8786") from None
 
 
-SCHEDULER_PROBE_S = 2.0
-
-
-def _say_if_scheduler_silent(address: str) -> None:
-    """Dask tries to reach the scheduler for 30 s (distributed.comm.timeouts.connect), saying
-    nothing meanwhile; one bounded TCP probe says at once what stands in the way. It does not
-    fail the start: a scheduler that is still starting (one Slurm step beside another) gets
-    Dask's whole window."""
-    from distributed.comm.addressing import parse_address, parse_host_port
-
-    from gpuwarden.net import ProbeStatus, probe_tcp
-
-    scheme, location = parse_address(address)
-    if scheme not in ("tcp", "tls", "ws", "wss"):
-        return
-    host, port = parse_host_port(location)
-    probe = probe_tcp(host, port, timeout_s=SCHEDULER_PROBE_S)
-    if probe.ok:
-        return
-    if probe.status is ProbeStatus.REFUSED:
-        why = "refused the connection (nothing listens there: not started yet, or a wrong port)"
-    elif probe.status is ProbeStatus.DNS:
-        why = f"does not resolve ({escape_untrusted(probe.detail)})"
-    elif probe.status is ProbeStatus.TIMEOUT:
-        why = (f"did not answer within {SCHEDULER_PROBE_S:g} s (packets dropped: a firewall, "
-               "or a wrong address)")
-    else:
-        why = f"cannot be reached ({escape_untrusted(probe.detail)})"
-    import dask.config
-    from dask.utils import parse_timedelta
-
-    window_s = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
-    note(f"gpuwarden: the scheduler at {address} {why}; Dask keeps trying for up to "
-         f"{window_s:g} s")
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import distributed  # noqa: F401
@@ -148,14 +111,10 @@ def run(args: argparse.Namespace) -> int:
         allow_shared=args.allow_shared,
         dask_log_level=logging.INFO if args.verbose else logging.WARNING).check()
     quiet_dask_logs(options.dask_log_level)
-    if options.wait is not None:  # before waiting in line: what the scheduler says now
-        _say_if_scheduler_silent(options.scheduler_address)
     printer = StatusPrinter(sys.stderr)
     with printer:
         leased = lease_for_workers(options, on_wait=printer)
     try:
-        if options.wait is None:
-            _say_if_scheduler_silent(options.scheduler_address)
         hide_gpus_from_children()
         what = f"GPU {leased.visible_devices}" if leased.gpus else "no GPU (--cpu)"
         workers = GPUWorkers(options, leased)
