@@ -97,8 +97,6 @@ def test_launch_wait_says_what_it_waits_for(capsys: pytest.CaptureFixture[str],
     (["launch", "--nprocs", "2", "x.py"], "did you mean --nproc-per-node?"),
     (["worker", "--workers-per-gpu", "0", "tcp://127.0.0.1:8786"], "--workers-per-gpu 0: must be 1 or more"),
     (["worker", "--min-free", "9999999999GiB", "tcp://127.0.0.1:8786"], "more memory than any GPU"),
-    (["worker", "--cpu", "127.0.0.1"], "scheduler address '127.0.0.1': missing port number"),
-    (["worker", "--cpu", "foo://notaurl:1"], "unknown address scheme 'foo'"),
 ])
 def test_usage_errors_name_the_flag_and_the_fix(capsys: pytest.CaptureFixture[str],
                                                 argv: list[str], words: str) -> None:

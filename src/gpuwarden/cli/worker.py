@@ -69,31 +69,12 @@ def _gpus(text: str) -> int | str:
         raise UsageError(f"--gpus {text!r}: expected a count or 'all'", fix="--gpus 2") from None
 
 
-def _check_scheduler_address(address: str) -> None:
-    """Dask's own parser decides what an address is; a bad one fails inside the nanny's
-    constructor with a traceback (`missing port number`), so it is checked here, in one line."""
-    from distributed.comm.addressing import parse_address, parse_host_port
-    from distributed.comm.registry import get_backend
-
-    try:
-        scheme, location = parse_address(address)
-        get_backend(scheme)
-        if scheme != "inproc" and not 0 < parse_host_port(location)[1] < 65536:
-            raise ValueError("the port must be between 1 and 65535")
-    except (ValueError, TypeError) as exc:
-        why = "the port is not a number" if "invalid literal" in str(exc) else str(exc)
-        raise UsageError(f"scheduler address {address!r}: {why}",
-                         fix="give the address with its port, as `dask scheduler` prints it "
-                         "after 'Scheduler at:', e.g. tcp://10.0.0.4:8786") from None
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import distributed  # noqa: F401
     except ImportError as exc:
         raise UsageError("gpuwarden worker needs Dask distributed, which is not installed",
                          why=str(exc), fix="pip install 'gpuwarden[dask]'") from exc
-    _check_scheduler_address(args.scheduler)  # before any lease or wait in line
     from gpuwarden.dask.workers import (
         GPUWorkers,
         WorkerOptions,
