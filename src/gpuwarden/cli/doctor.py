@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
     p.add_argument("--nproc", type=_positive, metavar="N",
-                   help="check that N ranks each get a usable GPU")
+                   help="check that N ranks each get a GPU no other job uses, as `launch -n N` "
+                   "requires")
     p.add_argument("--master-addr", metavar="HOST",
                    help="rendezvous host to check (default: $MASTER_ADDR)")
     p.add_argument("--master-port", type=_port, metavar="PORT",
