@@ -17,6 +17,12 @@ def tiny(x: int) -> int:
     return x + 1
 
 
+def pid_and_loaded(module: str, delay_s: float = 0.0) -> tuple[int, bool]:
+    """Whether ``module`` was loaded in this worker before this task (which imports nothing)."""
+    time.sleep(delay_s)
+    return os.getpid(), module in sys.modules
+
+
 def pid_and_env(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
     time.sleep(delay_s)
     return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")

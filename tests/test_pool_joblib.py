@@ -15,6 +15,7 @@ from joblib import Parallel, delayed, parallel_config
 
 import gpuwarden  # noqa: F401 - registers the backend
 from gpuwarden.pool.joblib_backend import shutdown_reusable_pool
+from tests import pool_tasks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -278,6 +279,14 @@ def test_alternating_n_jobs_resizes_the_warm_pool_instead_of_restarting(two_gpus
         assert joblib_backend._reusable["pool"].n_workers == n_jobs
     assert len(pools) == 1  # one pool throughout
     assert pids[2] <= pids[0] | pids[1]  # shrinking kept workers that were there
+    # Workers a resize adds have joblib.parallel before their first batch (the fork server
+    # preloads it): they take work at once instead of importing it while the others wait.
+    pool = joblib_backend._reusable["pool"]
+    pool.resize(6)
+    loaded = [f.result(timeout=60) for f in
+              [pool.submit(pool_tasks.pid_and_loaded, "joblib.parallel", 0.05) for _ in range(18)]]
+    assert all(ok for _, ok in loaded), loaded
+    assert {pid for pid, _ in loaded} - set().union(*pids)  # fresh workers answered too
 
 
 def slow_where(x: int) -> tuple[int, int, str | None]:

@@ -129,6 +129,31 @@ def test_a_worker_killed_before_it_reads_its_task_requeues_it() -> None:
     assert task.state is TaskState.RESERVED and task.worker != dead.key
 
 
+def test_a_task_whose_readers_keep_dying_unstarted_fails_after_max_requeues() -> None:
+    """A payload that kills whoever reads it must not go round forever: after MAX_REQUEUES
+    ready workers died with it unstarted it fails, alone; the pool goes on."""
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    (task,) = h.submit(1)
+    for death in range(_core.MAX_REQUEUES):
+        h.start_all()
+        w = h.worker_of(task)
+        assert w.state is not WorkerState.STARTING
+        h.core.on_exit(w.pid, -9)
+        h.take()
+        if death < _core.MAX_REQUEUES - 1:
+            assert not h.settled and task.requeues == death + 1
+    assert h.settled == {task.id: ["requeues"]}
+    assert h.core.broken is None
+    (after,) = h.submit(1)
+    h.start_all()
+    w = h.worker_of(after)
+    h.core.on_started(w.key, after.id)
+    h.core.on_result(w.key, after.id, 1, failed=False)
+    h.take()
+    assert h.settled[after.id] == ["result"]
+
+
 def test_a_worker_that_dies_while_starting_had_no_task_and_three_deaths_break_the_pool() -> None:
     h = Harness(workers=1, gpus=1)
     (task,) = h.submit(1)  # reserved by the worker still starting, never written to it

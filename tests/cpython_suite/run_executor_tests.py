@@ -23,7 +23,7 @@ from gpuwarden.pool import GPUPool
 INTERNALS = "reads ProcessPoolExecutor's internals ({})"
 NOT_APPLICABLE: dict[str, str] = {
     "test_interpreter_shutdown": "runs a script that imports the executor from "
-    "concurrent.futures by its name (GPUPool at interpreter exit: test_pool_fault_cases.py)",
+    "concurrent.futures by its name (GPUPool at interpreter exit: test_pool.py)",
     "test_submit_after_interpreter_shutdown": "the same: a script importing the executor "
     "from concurrent.futures",
     "test_hang_gh83386": "the same: a script importing the executor from concurrent.futures",

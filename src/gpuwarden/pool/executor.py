@@ -832,8 +832,8 @@ class GPUPool(Executor):
             slot = worker.slot
             if fault.kind == "requeues":
                 what = (f"{worker.name} died with {exit_text} before it started task "
-                        f"{task.id} ({task.description}), the {_core.MAX_REQUEUES}th worker "
-                        "to die with this task unstarted")
+                        f"{task.id} ({task.description}); {_core.MAX_REQUEUES} workers have "
+                        "died with this task unstarted")
             elif fault.kind == "server_died":
                 what = (f"{worker.name} died with the pool's process server "
                         f"({describe_exit(fault.exit_status)}) while running task {task.id} "

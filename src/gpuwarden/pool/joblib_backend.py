@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 # Seconds: GPUs are a shared resource, so an idle warm pool lets them go soon; long enough
 # that a loop of Parallel calls keeps its workers.
 IDLE_WORKER_TIMEOUT_S = 10.0
+# The module every task of this backend needs in its worker (preloaded by the fork server).
+JOBLIB_PRELOAD = "joblib.parallel"
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
 # configure()); joblib's own defaults apply when a caller gives none.
 _MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
@@ -397,6 +399,11 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     # The fork server preloads torch for tasks that use it; a caller that has not imported
     # torch rarely sends tasks that do, and would wait seconds for an import it never uses.
     pool_kwargs.setdefault("preload", ("torch",) if "torch" in sys.modules else ())
+    # Every task is a joblib batch, which imports joblib.parallel (and numpy: ~0.25 s) where it
+    # is unpickled: imported once by the server, a worker a resize adds runs its first batch at
+    # once instead of importing first while the warm workers wait for work.
+    if JOBLIB_PRELOAD not in pool_kwargs["preload"]:
+        pool_kwargs["preload"] = (*pool_kwargs["preload"], JOBLIB_PRELOAD)
     if pool_kwargs.get("initializer") is None:
         pool_kwargs.pop("initializer", None)
         pool_kwargs.pop("initargs", None)
