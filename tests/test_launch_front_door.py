@@ -51,8 +51,8 @@ def test_a_stop_signal_while_ranks_start_stops_the_start(
     starts: list[int] = []
     real_start = ProcessContext.start
 
-    def start_then_signal(self: ProcessContext, argv: Any, env: Any) -> Any:
-        proc = real_start(self, argv, env)
+    def start_then_signal(self: ProcessContext, argv: Any, env: Any, **stdio: Any) -> Any:
+        proc = real_start(self, argv, env, **stdio)
         starts.append(proc.pid)
         if len(starts) == 2:  # the user's Ctrl-C (or the scheduler's SIGTERM) arrives now
             os.kill(os.getpid(), sig)
