@@ -113,6 +113,10 @@ def _field_names(e: CodeEntry) -> list[str]:
 
 def _raised_as() -> dict[str, list[type[errors.GpuwardenError]]]:
     """Each code of the exception tree and the classes that carry it, base classes first."""
+    # The pool's errors live in their own module (it imports multiprocessing): imported here
+    # so that the reference is the same whatever the caller imported before.
+    import gpuwarden.pool.errors  # noqa: F401
+
     found: dict[str, list[type[errors.GpuwardenError]]] = {}
     todo: list[type[errors.GpuwardenError]] = [errors.GpuwardenError]
     while todo:
