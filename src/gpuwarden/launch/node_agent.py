@@ -256,8 +256,13 @@ class NodeAgent:
 
     def wait_ready(self, timeout_s: float = READY_WAIT_S) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self.ready:
-            if not self._read():
+        while True:
+            alive = self._read()
+            # Ready once the line is read, not after another wait: the rendezvous (the store,
+            # on the node that hosts it, which the other nodes wait for) starts from here.
+            if self.ready:
+                return
+            if not alive:
                 raise self._died()
             fatal = next((e for e in self.events if e.get("event") == "fatal"), None)
             if fatal is not None:

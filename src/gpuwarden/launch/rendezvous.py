@@ -52,7 +52,8 @@ from gpuwarden.findings import Severity, render_one_line
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.node_agent import AgentError, NodeAgent, NodeInfo, Round
 
-RETRY_REFUSED_S = 0.2  # between tries while nothing listens yet (a refusal costs microseconds)
+RETRY_REFUSED_S = 0.05  # between tries while nothing listens yet (a refusal costs microseconds;
+# the store comes up the moment torch is imported on its node, and every node waits for it)
 PROBE_TIMEOUT_S = 3.0  # one connection attempt; a firewall that drops shows as this timeout
 TTY_EVERY_S = 3.0  # a wait says where it stands this often on a terminal
 PIPE_EVERY_S = 30.0  # and at least this often when piped (and on every change)
