@@ -127,6 +127,31 @@ def test_exception_keeps_type_and_remote_traceback(two_gpus) -> None:
     assert "in train" in cause.tb and "raise SweepFailed(lr)" in cause.tb and "GPU 1" in cause.tb
 
 
+def test_a_task_sent_by_value_fails_with_its_file_and_source_lines(
+        two_gpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function of the user's script (or of a module registered by value) travels as code;
+    its traceback still names its file and shows the failing line (cloudpickle >= 3.1.3 alone
+    would name it "<dynamic-code>", with no source)."""
+    import importlib
+
+    import cloudpickle
+
+    (tmp_path / "user_sweep.py").write_text(
+        "def step(x):\n    raise ValueError(x)  # the user's failing line\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("user_sweep")
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        with GPUPool(gpus=1, preload=()) as pool, pytest.raises(ValueError) as info:
+            pool.submit(module.step, 7).result(timeout=20)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        sys.modules.pop("user_sweep", None)
+    tb = info.value.__cause__.tb  # type: ignore[union-attr]
+    assert f'File "{tmp_path / "user_sweep.py"}", line 2, in step' in tb, tb
+    assert "raise ValueError(x)  # the user's failing line" in tb, tb
+
+
 def test_lambdas_and_closures_travel_by_value(two_gpus) -> None:
     offset = 10
     with GPUPool(gpus=1, preload=()) as pool:

@@ -24,6 +24,7 @@ import io
 import pickle
 import sys
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +44,11 @@ def _is_cuda_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor) and obj.device.type == "cuda"
 
 
+def _code_in(ctor: Callable[..., types.CodeType], args: tuple[Any, ...],
+             filename: str) -> types.CodeType:
+    return ctor(*args).replace(co_filename=filename)
+
+
 class _TaskPickler(cloudpickle.Pickler):
     reducers: Mapping[type, Callable[[Any], Any]] = {}
 
@@ -50,6 +56,13 @@ class _TaskPickler(cloudpickle.Pickler):
         reducer = self.reducers.get(type(obj))
         if reducer is not None:
             return reducer(obj)
+        code_reduce = self.dispatch_table.get(types.CodeType)
+        if type(obj) is types.CodeType and code_reduce is not None:
+            # cloudpickle >= 3.1.3 names every code object it sends by value "<dynamic-code>"
+            # (a deterministic payload), so a task defined in the user's script would fail with
+            # a traceback that has neither its file nor its source lines: sent with its file.
+            ctor, args = code_reduce(obj)
+            return _code_in, (ctor, args, obj.co_filename)
         if _is_cuda_tensor(obj):
             raise CudaTensorArgumentError(
                 f"a task argument is a CUDA tensor on {obj.device} "
