@@ -76,3 +76,30 @@ def test_nothing_in_readme_docs_sources_or_help_points_outside_the_repository() 
     outside = re.compile(r"\.\./shared|(?<![\w.-])shared/(?:failure-codes|scenarios|[A-Z]+\.md)")
     bad = [f"{p}: {m.group(0)}" for p, t in texts.items() for m in outside.finditer(t)]
     assert not bad, bad
+
+
+def test_every_module_with_an_error_class_is_imported_by_the_generator() -> None:
+    """The reference lists the classes that carry each code by walking the subclasses of
+    GpuwardenError, so a class in a module nobody imported would be missing or present by
+    chance (the page then depends on test order): every such module is in _ERROR_MODULES."""
+    import ast
+
+    from gpuwarden.explain.reference import _ERROR_MODULES
+
+    src = ROOT / "src"
+    known = {"GpuwardenError"}
+    defined: dict[str, str] = {}
+    trees = {path: ast.parse(path.read_text()) for path in (src / "gpuwarden").rglob("*.py")}
+    grew = True
+    while grew:  # subclasses of subclasses, across modules, by name
+        grew = False
+        for path, tree in trees.items():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and node.name not in known and any(
+                        (b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")) in known
+                        for b in node.bases):
+                    known.add(node.name)
+                    defined[node.name] = ".".join(path.relative_to(src).with_suffix("").parts)
+                    grew = True
+    outside = {mod for mod in defined.values() if mod != "gpuwarden.errors"}
+    assert outside <= set(_ERROR_MODULES), sorted(outside - set(_ERROR_MODULES))

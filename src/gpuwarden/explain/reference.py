@@ -8,6 +8,7 @@ writes the page; a test fails while the committed page differs from :func:`failu
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from gpuwarden import errors
@@ -111,11 +112,16 @@ def _field_names(e: CodeEntry) -> list[str]:
     return list(names)
 
 
+_ERROR_MODULES = ("gpuwarden.pool.errors", "gpuwarden.launch.node_agent", "gpuwarden.distributed")
+
+
 def _raised_as() -> dict[str, list[type[errors.GpuwardenError]]]:
     """Each code of the exception tree and the classes that carry it, base classes first."""
-    # The pool's errors live in their own module (it imports multiprocessing): imported here
-    # so that the reference is the same whatever the caller imported before.
-    import gpuwarden.pool.errors  # noqa: F401
+    # Error classes that live beside their code rather than in gpuwarden.errors, imported here
+    # so that the reference is the same whatever the caller imported before (none imports
+    # torch at module level); tests/test_failure_codes_doc.py checks that the list is whole.
+    for module in _ERROR_MODULES:
+        importlib.import_module(module)
 
     found: dict[str, list[type[errors.GpuwardenError]]] = {}
     todo: list[type[errors.GpuwardenError]] = [errors.GpuwardenError]
