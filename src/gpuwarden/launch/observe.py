@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -310,6 +310,12 @@ class JobObserver:
             return self.stacks(request.get("scope") == "node", bool(request.get("all_threads")))
         return {"ok": False, "error": f"unknown request {str(op)[:40]!r}"}
 
+    def _store_connected(self) -> bool:
+        """Whether local rank 0's store watch has connected (read live: it may connect while
+        a request waits, and its relay then picks the request up at its next poll)."""
+        peers = self.sup.peers
+        return peers is not None and peers.reader_connected
+
     def stacks(self, node_only: bool, all_threads: bool) -> dict[str, Any]:
         started = time.monotonic()
         snap = self.snapshot()
@@ -341,7 +347,7 @@ class JobObserver:
                                   "nodes": [node], "ranks": ranks}
         if request_id:
             _merge_other_nodes(answer, snap, request_id, started + REMOTE_WAIT_S, all_threads,
-                               started)
+                               started, self._store_connected)
         answer["ranks"].sort(key=lambda r: r.get("rank", -1))
         answer["nodes"].sort(key=lambda n: n.get("node", -1))
         answer["after_s"] = round(time.monotonic() - started, 3)
@@ -363,22 +369,25 @@ def _ask_other_nodes(peers_file: str, deadline_mono: float) -> str:
 
 
 def _merge_other_nodes(answer: dict[str, Any], snap: JobSnapshot, request_id: str,
-                       deadline: float, all_threads: bool, started: float) -> None:
+                       deadline: float, all_threads: bool, started: float,
+                       store_connected: Callable[[], bool]) -> None:
     nnodes = int(snap.public["nnodes"])
     me = int(snap.public["node_rank"])
     from gpuwarden.launch.supervisor import _read_json
 
-    connected = bool(snap.public.get("peers", {}).get("store_connected"))
+    # Waited for even while the watch is not connected yet: right after init_process_group the
+    # script runs ahead of the watch's own connection (and of the supervisor's next look at it),
+    # and a request written before the relay starts is still answered at its first poll.
     got: dict[str, Any] = {}
-    if connected:
-        path = snap.peers_file + ANSWER_SUFFIX
-        while time.monotonic() < deadline:
-            data = _read_json(path)
-            if data is not None and data.get("id") == request_id:
-                nodes = data.get("nodes")
-                got = nodes if isinstance(nodes, dict) else {}
-                break
-            time.sleep(0.02)
+    path = snap.peers_file + ANSWER_SUFFIX
+    while time.monotonic() < deadline:
+        data = _read_json(path)
+        if data is not None and data.get("id") == request_id:
+            nodes = data.get("nodes")
+            got = nodes if isinstance(nodes, dict) else {}
+            break
+        time.sleep(0.02)
+    connected = bool(got) or store_connected()
     for node in range(nnodes):
         if node == me:
             continue
