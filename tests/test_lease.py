@@ -522,3 +522,44 @@ def test_listing_leases_deletes_no_record(scenario, lease_dir):
     assert main(["leases", "--json"]) == 0
     assert ghost.exists()
     assert list_leases().holders == ()
+
+
+def test_a_scan_by_another_thread_while_a_record_is_made_leaves_its_lock_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A POSIX lock belongs to the process: a scan that opened and closed a record another
+    thread of the same process was just making would drop that record's lock, and every other
+    process would take the live request for a dead one (seen as a waiter skipped in line, about
+    1 run in 20 on a loaded box). The scan here runs at the worst moment: locked, not yet known."""
+    from gpuwarden.lease import _locks, records
+
+    directory = tmp_path / "leases"
+    directory.mkdir()
+    real_set_lock = _locks._set_lock
+    seen: list[records.ScanResult] = []
+
+    def lock_then_scan(fd: int, kind: int, start: int, length: int) -> bool:
+        held = real_set_lock(fd, kind, start, length)
+        seen.append(records.scan(directory))  # what another thread's scan does just then
+        return held
+
+    monkeypatch.setattr(_locks, "_set_lock", lock_then_scan)
+    ticket = records.OwnedRecord(directory, records.this_process("ticket", "t", gpus_wanted=1))
+    monkeypatch.undo()
+    try:
+        assert len(seen) == 1 and not seen[0].records  # not listed before it is whole
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # another process asks the kernel who holds the record
+            try:
+                fd = os.open(ticket.path, os.O_RDONLY)
+                owner = _locks.test_lock(fd, 0, 0)
+                os.write(write, str(owner.pid if owner else 0).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 32) == str(os.getpid()).encode()
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert [r.record_id for r in records.scan(directory).records] == [ticket.record.record_id]
+    finally:
+        ticket.remove()

@@ -56,6 +56,9 @@ CHECKS_PER_USER = 128  # record files of one user opened in one scan (oldest fir
 RECORDS_PER_USER = 64  # live records of one user kept in one scan
 MAX_CHECKS = 4096  # record files opened in one scan, every user together
 SCAN_BUDGET_S = 0.25  # a scan stops here and says it saw only part of the directory
+# ...but not before it opened this many records: a small directory is always read whole, so a
+# pause of the scanning process (a loaded box, a GC) never hides an earlier request from it.
+MIN_CHECKS = 64
 NEW_NAMES_PER_SCAN = 2048  # record names seen for the first time that one scan looks at
 STALE_AGE_S = 0.0  # our own unlocked record this old is deleted by a scan (under the mutex)
 MAX_CORRUPT = 64  # unreadable records listed by one scan
@@ -179,6 +182,9 @@ def record_name(kind: str, token: str) -> str:
 
 _own_lock = threading.Lock()
 _own: dict[str, dict[str, Record]] = {}  # directory -> file name -> record
+# Names this process is creating (from before the file exists until it is in _own): a scan in
+# another thread of this process must not open one either (see Scanner._check_unless_ours).
+_creating: dict[str, set[str]] = {}
 
 
 class OwnedRecord:
@@ -187,20 +193,29 @@ class OwnedRecord:
     The name is fresh and random, created ``O_EXCL`` (retried on the improbable collision),
     so no other user can occupy it first; the file is locked before anything is written. A
     scan in this process never opens it (closing any descriptor of a file would drop this
-    process's lock on it): it is known here.
+    process's lock on it): it is known here, and while it is being made its name is too.
     """
 
     def __init__(self, directory: Path, record: Record) -> None:
         self.directory = directory
         self.fd: int | None = None
+        creating = _creating.setdefault(str(directory), set())
         for _ in range(16):
             token = new_token()
             path = directory / record_name(record.kind, token)
+            with _own_lock:
+                creating.add(path.name)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
                              | os.O_NOFOLLOW, _fs.RECORD_MODE)
             except FileExistsError:
+                with _own_lock:
+                    creating.discard(path.name)
                 continue
+            except BaseException:
+                with _own_lock:
+                    creating.discard(path.name)
+                raise
             break
         else:
             raise OSError(errno.EEXIST, "no free record name after 16 tries", str(directory))
@@ -216,18 +231,22 @@ class OwnedRecord:
                       "started_at": time.time()}
             os.write(fd, json.dumps({**record.content(), **legacy}).encode())
             st = os.fstat(fd)
+            # A ticket's place in line is its birth time; a holder's start, for display, its
+            # ctime.
+            born = _fs.birth_ns(fd, st) if record.kind == "ticket" else st.st_ctime_ns
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             os.close(fd)
+            with _own_lock:
+                creating.discard(path.name)
             raise
         self.fd = fd
         self.path = path
-        # A ticket's place in line is its birth time; a holder's start, for display, its ctime.
-        born = _fs.birth_ns(fd, st) if record.kind == "ticket" else st.st_ctime_ns
         self.record = replace(record, record_id=token, born_ns=born, ino=st.st_ino, path=path)
         with _own_lock:
             _own.setdefault(str(directory), {})[path.name] = self.record
+            creating.discard(path.name)
         _fs.track(self)
 
     def remove(self) -> None:
@@ -256,6 +275,7 @@ def _reset_own_in_child() -> None:
     global _own_lock
     _own_lock = threading.Lock()
     _own.clear()
+    _creating.clear()
 
 
 os.register_at_fork(after_in_child=_reset_own_in_child)
@@ -380,27 +400,51 @@ class Scanner:
                 known = _Known(st.st_ino, st.st_uid, st.st_mtime_ns)
             known_now[name] = known
         self._known = known_now  # names gone from the directory are forgotten
-        # Per user, oldest first: a user's flood of records costs that user's places only.
-        order = sorted(known_now.items(), key=lambda kv: (kv[1].uid, kv[1].born_ns
-                                                          or kv[1].mtime_ns, kv[0]))
+        # Per user, oldest first, the users taken in turn (every user's oldest record, then
+        # every user's second...): a user's flood of records costs that user's places only,
+        # and a scan cut short by its budget has still seen each user's earliest requests.
+        by_user = sorted(known_now.items(), key=lambda kv: (kv[1].uid, kv[1].born_ns
+                                                            or kv[1].mtime_ns, kv[0]))
+        turn: dict[int, int] = {}
+        places = []
+        for name, known in by_user:
+            turn[known.uid] = turn.get(known.uid, -1) + 1
+            places.append((turn[known.uid], known.born_ns or known.mtime_ns, name, known))
+        order = [(name, known) for _i, _born, name, known in sorted(places, key=lambda p: p[:3])]
         checks: dict[int, int] = {}
         kept: dict[int, int] = {}
         opened = 0
         for name, known in order:
             uid = known.uid
+            out_of_time = opened >= MIN_CHECKS and time.monotonic() > deadline
             if checks.get(uid, 0) >= CHECKS_PER_USER or kept.get(uid, 0) >= RECORDS_PER_USER \
-                    or opened >= MAX_CHECKS or time.monotonic() > deadline:
+                    or opened >= MAX_CHECKS or out_of_time:
                 result.left_out[uid] = result.left_out.get(uid, 0) + 1
-                if opened >= MAX_CHECKS or time.monotonic() > deadline:
+                if opened >= MAX_CHECKS or out_of_time:
                     result.complete = False
                 continue
             checks[uid] = checks.get(uid, 0) + 1
             opened += 1
-            record = self._check(name, known, result, cleanup)
+            record = self._check_unless_ours(name, known, result, cleanup)
             if record is not None:
                 kept[uid] = kept.get(uid, 0) + 1
                 result.records.append(record)
         return result
+
+    def _check_unless_ours(self, name: str, known: _Known, result: ScanResult, cleanup: bool
+                           ) -> Record | None:
+        """:meth:`_check`, unless another thread of this process made (or is making) the
+        record since the scan began: opening it here, then closing, would drop that thread's
+        lock, and every other process would take its live request or lease for a dead one.
+        Held across the check, the lock keeps such a record from being born meanwhile."""
+        with _own_lock:
+            directory = str(self.directory)
+            if name in _creating.get(directory, ()):
+                return None
+            ours = _own.get(directory, {}).get(name)
+            if ours is not None:
+                return ours
+            return self._check(name, known, result, cleanup)
 
     def _check(self, name: str, known: _Known, result: ScanResult, cleanup: bool
                ) -> Record | None:
