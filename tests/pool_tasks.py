@@ -107,7 +107,10 @@ def thread_counts() -> dict[str, Any]:
 
 
 def dies_in_the_middle_of_its_result(size: int) -> bytes:
-    """Return ``size`` bytes, and SIGKILL this worker while it is sending them."""
+    """Return ``size`` bytes, and SIGKILL this worker while it is sending them: once the
+    frame's header is out and its payload is being sent (``send_frame``'s current piece is the
+    payload), so the parent has a partial frame whatever the machine's load. (A fixed delay
+    after ``send_frame`` began let a fast socket deliver the whole result first.)"""
     import threading
 
     main = threading.get_ident()
@@ -117,8 +120,10 @@ def dies_in_the_middle_of_its_result(size: int) -> bytes:
             frame = sys._current_frames().get(main)
             while frame is not None:
                 if frame.f_code.co_name == "send_frame":
-                    time.sleep(0.05)  # some of it is on its way by then
-                    die("SIGKILL")
+                    piece = frame.f_locals.get("piece")
+                    if piece is not None and len(piece) >= size:
+                        time.sleep(0.001)  # some of the payload is on its way by then
+                        die("SIGKILL")
                 frame = frame.f_back
             time.sleep(0.0005)
 

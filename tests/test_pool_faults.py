@@ -182,7 +182,7 @@ def test_a_worker_killed_in_the_middle_of_its_result_frame(host: Path, own_lease
     """The result is half-written to the socket when the worker dies: the partial frame is
     dropped and the task fails, named; the next task runs on the replacement."""
     with GPUPool(gpus=1, preload=()) as pool:
-        future = pool.submit(pool_tasks.dies_in_the_middle_of_its_result, 64 << 20)
+        future = pool.submit(pool_tasks.dies_in_the_middle_of_its_result, 128 << 20)
         error = future.exception(timeout=60)
         assert isinstance(error, WorkerDiedError) and "SIGKILL(-9)" in error.what, repr(error)
         assert pool.submit(pool_tasks.tiny, 1).result(timeout=30) == 2
