@@ -259,6 +259,26 @@ def test_a_scheduler_that_refuses_is_announced_at_once_and_named_at_the_end(
     assert "fix:" in rest and "Traceback" not in rest
 
 
+def test_a_refused_port_is_named_refused_when_dasks_own_attempt_only_timed_out() -> None:
+    """On a loaded host Dask's connect can run out of time before the kernel's refusal is seen;
+    the reason given is still the port's own answer."""
+    import asyncio
+
+    from gpuwarden.dask.scheduler_link import _why_not
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    why = asyncio.run(_why_not(f"tcp://127.0.0.1:{port}", asyncio.TimeoutError()))
+    assert why.startswith("connection refused"), why
+    with socket.socket() as listening:  # a port that takes connections, and says nothing
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        why = asyncio.run(_why_not(address, asyncio.TimeoutError()))
+    assert why == "its port accepts connections, but no Dask scheduler answered in time", why
+
+
 def test_a_scheduler_host_that_does_not_resolve_is_named_at_once(
         capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()

@@ -30,6 +30,7 @@ from gpuwarden.errors import SchedulerUnreachableError, UsageError, WorkerNameTa
 PING_S = 0.5  # how often the supervisor asks the scheduler who it is
 PING_REPLY_S = 30.0  # a scheduler busy for longer is slow, not gone
 CONFIRM_S = 1.0  # a closed connection and no new one within this: the scheduler is gone
+_NO_ANSWER = "no answer (packets dropped, or a slow scheduler)"
 FIRST_TRY_S = 1.0  # first contact: how long one attempt waits before the wait is announced
 _SCHEMES = ("tcp", "tls", "ws", "wss", "ucx", "inproc")
 _FIX_ADDRESS = ("give the address `dask scheduler` prints as 'Scheduler at:', with its port: "
@@ -111,7 +112,8 @@ async def first_contact(address: str, timeout_s: float,
             if not announced and on_wait is not None:
                 announced = True
                 on_wait(f"gpuwarden: waiting for the Dask scheduler at {address} "
-                        f"({_reason(exc)}); up to {timeout_s:g} s (--connect-timeout)")
+                        f"({await _why_not(address, exc)}); up to {timeout_s:g} s "
+                        "(--connect-timeout)")
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             continue
         try:
@@ -126,9 +128,27 @@ async def first_contact(address: str, timeout_s: float,
             comm.abort()
     raise SchedulerUnreachableError(
         f"the Dask scheduler at {address} does not answer",
-        why=f"after {timeout_s:g} s: {_reason(last)}" if last else None,
+        why=f"after {timeout_s:g} s: {await _why_not(address, last)}" if last else None,
         fix="start it first (`dask scheduler`), check the address and that its port is open "
         "from this host; --connect-timeout waits longer") from last
+
+
+async def _why_not(address: str, exc: BaseException) -> str:
+    """:func:`_reason`; when Dask's attempt only timed out (on a loaded host its own connect
+    can run out of time before the kernel's answer is seen), one plain TCP connect says whether
+    the port refuses, or takes connections and the scheduler is slow."""
+    reason = _reason(exc)
+    endpoint = _tcp_endpoint(address)
+    if endpoint is None or reason != _NO_ANSWER:
+        return reason
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), CONFIRM_S)
+    except ConnectionRefusedError as refused:
+        return _reason(refused)
+    except (OSError, asyncio.TimeoutError):
+        return reason
+    writer.close()
+    return "its port accepts connections, but no Dask scheduler answered in time"
 
 
 def _reason(exc: BaseException | None) -> str:
@@ -137,7 +157,7 @@ def _reason(exc: BaseException | None) -> str:
         if isinstance(exc, ConnectionRefusedError):
             return "connection refused: nothing listens at that address and port"
         if isinstance(exc, asyncio.TimeoutError):
-            return "no answer (packets dropped, or a slow scheduler)"
+            return _NO_ANSWER
         cause = exc.__cause__ or exc.__context__
         if cause is None:
             text = str(exc) or type(exc).__name__
