@@ -239,13 +239,24 @@ def test_leases_init_refuses_a_slot_count_it_would_not_honour(capsys):
 def test_ctrl_c_while_waiting_in_line_says_so(scenario, lease_dir):
     scenario("two_idle")
     with lease(2, label="train.py"):
-        proc = _gpuwarden("run", "--wait", "1m", "--", "true")
+        # As from a terminal, SIGINT at its default: a suite started in the background by a
+        # non-interactive shell (`scripts/test &`) has it ignored, and that is inherited (then
+        # Python, and so gpuwarden, rightly leaves Ctrl-C ignored). PYTHONFAULTHANDLER: should
+        # it ever not end, SIGABRT makes it print where it is.
+        proc = _gpuwarden("run", "--wait", "1m", "--", "true",
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 20
         while not list_leases().tickets:  # in line
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=20)
+        try:
+            _out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _out, err = proc.communicate(timeout=20)
+            pytest.fail(f"still running 20 s after SIGINT; its stacks then:\n{err}")
     assert proc.returncode == 130
     assert "interrupted after" in err and "waiting in line; nothing was leased" in err
     assert "Traceback" not in err
