@@ -56,13 +56,14 @@ class _TaskPickler(cloudpickle.Pickler):
         reducer = self.reducers.get(type(obj))
         if reducer is not None:
             return reducer(obj)
-        code_reduce = self.dispatch_table.get(types.CodeType)
-        if type(obj) is types.CodeType and code_reduce is not None:
+        if type(obj) is types.CodeType:  # checked first: this runs for every object pickled
             # cloudpickle >= 3.1.3 names every code object it sends by value "<dynamic-code>"
             # (a deterministic payload), so a task defined in the user's script would fail with
             # a traceback that has neither its file nor its source lines: sent with its file.
-            ctor, args = code_reduce(obj)
-            return _code_in, (ctor, args, obj.co_filename)
+            code_reduce = self.dispatch_table.get(types.CodeType)
+            if code_reduce is not None:
+                ctor, args = code_reduce(obj)
+                return _code_in, (ctor, args, obj.co_filename)
         if _is_cuda_tensor(obj):
             raise CudaTensorArgumentError(
                 f"a task argument is a CUDA tensor on {obj.device} "
