@@ -187,6 +187,19 @@ _own: dict[str, dict[str, Record]] = {}  # directory -> file name -> record
 _creating: dict[str, set[str]] = {}
 
 
+@contextlib.contextmanager
+def _being_made(directory: str, name: str) -> Iterator[None]:
+    """The name is known as ours from before its file exists until the block ends (by then it
+    is in _own, or gone)."""
+    with _own_lock:
+        _creating.setdefault(directory, set()).add(name)
+    try:
+        yield
+    finally:
+        with _own_lock:
+            _creating.get(directory, set()).discard(name)
+
+
 class OwnedRecord:
     """A record file this process made and holds the write lock on.
 
@@ -199,26 +212,22 @@ class OwnedRecord:
     def __init__(self, directory: Path, record: Record) -> None:
         self.directory = directory
         self.fd: int | None = None
-        creating = _creating.setdefault(str(directory), set())
         for _ in range(16):
             token = new_token()
             path = directory / record_name(record.kind, token)
-            with _own_lock:
-                creating.add(path.name)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                             | os.O_NOFOLLOW, _fs.RECORD_MODE)
-            except FileExistsError:
-                with _own_lock:
-                    creating.discard(path.name)
-                continue
-            except BaseException:
-                with _own_lock:
-                    creating.discard(path.name)
-                raise
-            break
-        else:
-            raise OSError(errno.EEXIST, "no free record name after 16 tries", str(directory))
+            with _being_made(str(directory), path.name):
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                                 | os.O_NOFOLLOW, _fs.RECORD_MODE)
+                except FileExistsError:
+                    continue
+                self._fill(fd, path, token, record)
+                return
+        raise OSError(errno.EEXIST, "no free record name after 16 tries", str(directory))
+
+    def _fill(self, fd: int, path: Path, token: str, record: Record) -> None:
+        """Lock the new file, write the record, and make it known as ours; on any failure the
+        file is deleted and closed."""
         try:
             os.fchmod(fd, _fs.RECORD_MODE)  # readable by `gpuwarden leases` of every user
             if not _locks._set_lock(fd, fcntl.F_WRLCK, 0, 0):  # a fresh file: nobody holds it
@@ -238,15 +247,12 @@ class OwnedRecord:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             os.close(fd)
-            with _own_lock:
-                creating.discard(path.name)
             raise
         self.fd = fd
         self.path = path
         self.record = replace(record, record_id=token, born_ns=born, ino=st.st_ino, path=path)
         with _own_lock:
-            _own.setdefault(str(directory), {})[path.name] = self.record
-            creating.discard(path.name)
+            _own.setdefault(str(self.directory), {})[path.name] = self.record
         _fs.track(self)
 
     def remove(self) -> None:
@@ -439,11 +445,11 @@ class Scanner:
         Held across the check, the lock keeps such a record from being born meanwhile."""
         with _own_lock:
             directory = str(self.directory)
-            if name in _creating.get(directory, ()):
-                return None
             ours = _own.get(directory, {}).get(name)
             if ours is not None:
                 return ours
+            if name in _creating.get(directory, ()):
+                return None
             return self._check(name, known, result, cleanup)
 
     def _check(self, name: str, known: _Known, result: ScanResult, cleanup: bool
