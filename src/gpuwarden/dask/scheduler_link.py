@@ -141,14 +141,12 @@ async def _why_not(address: str, exc: BaseException) -> str:
     endpoint = _tcp_endpoint(address)
     if endpoint is None or reason != _NO_ANSWER:
         return reason
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), CONFIRM_S)
-    except ConnectionRefusedError as refused:
-        return _reason(refused)
-    except (OSError, asyncio.TimeoutError):
-        return reason
-    writer.close()
-    return "its port accepts connections, but no Dask scheduler answered in time"
+    answer = await _knock(*endpoint)
+    if isinstance(answer, ConnectionRefusedError):
+        return _reason(answer)
+    if answer is None:
+        return "its port accepts connections, but no Dask scheduler answered in time"
+    return reason
 
 
 def _reason(exc: BaseException | None) -> str:
@@ -205,7 +203,7 @@ async def watch_scheduler(address: str, identity_s: float = PING_S) -> None:
         except asyncio.TimeoutError:
             continue  # slow, not gone: ask again on a fresh connection
         except OSError:  # CommClosedError is one: closed under us
-            if endpoint is not None and not await _accepts(*endpoint):
+            if endpoint is not None and await _knock(*endpoint) is not None:
                 return  # and refused (or silent) at once: gone, without Dask's retries
         finally:
             comm.abort()
@@ -221,12 +219,13 @@ def _tcp_endpoint(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), port
 
 
-async def _accepts(host: str, port: int) -> bool:
-    """Whether something accepts a TCP connection at ``host:port`` within :data:`CONFIRM_S`
-    (closed at once, before any handshake: the scheduler logs that at debug level only)."""
+async def _knock(host: str, port: int) -> BaseException | None:
+    """One plain TCP connect to ``host:port`` within :data:`CONFIRM_S`: None when something
+    accepted it (closed at once, before any handshake: the scheduler logs that at debug level
+    only), else the error (ConnectionRefusedError: nothing listens; a timeout: silence)."""
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONFIRM_S)
-    except (OSError, asyncio.TimeoutError):
-        return False
+    except (OSError, asyncio.TimeoutError) as exc:
+        return exc
     writer.close()
-    return True
+    return None
