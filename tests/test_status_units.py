@@ -5,12 +5,14 @@ control endpoint and its runtime directory, the store relay between two nodes' l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,18 @@ from gpuwarden.jobs import gpuwarden_kind
 from gpuwarden.launch import control
 from gpuwarden.launch._bootstrap import MAX_DUMP_FRAMES, _sampling_loop, format_stacks
 from gpuwarden.launch._store_stacks import StackRelay
-from gpuwarden.launch.observe import group_stacks, rank_row, stack_record
+from gpuwarden.launch.observe import (
+    REMOTE_WAIT_S,
+    JobSnapshot,
+    _ask_other_nodes,
+    _merge_other_nodes,
+    group_stacks,
+    rank_row,
+    stack_record,
+)
 from gpuwarden.launch.stall import Frame, RankView, Sample, main_thread, parse_dump
 from gpuwarden.launch.straggler import decide_straggler
+from gpuwarden.launch.supervisor import PeerView
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 BOOT = Frame("/src/gpuwarden/launch/_bootstrap.py", 176, "_run_path")
@@ -375,35 +386,61 @@ class FakeStore:
         return self.data.pop(key, None) is not None
 
 
-def test_the_store_relay_brings_another_nodes_launcher_answer(tmp_path: Path) -> None:
-    store = FakeStore()
-    nodes = []
+@contextlib.contextmanager
+def two_launchers(tmp_path: Path) -> Iterator[list[StackRelay]]:
+    """Two nodes' launcher endpoints (node n answers ranks 2n, 2n+1 from host n) and each
+    node's store relay; the relays are polled by the test."""
     servers = []
-    for node in range(2):
-        d = tmp_path / f"node{node}"
-        d.mkdir(mode=0o700)
-        answer = {"ok": True, "job": {"host": f"host{node}"},
-                  "ranks": [{"rank": 2 * node + i, "pid": 100 + i, "phase": "running",
-                             "main": [{"file": "/job/x.py", "line": 3, "func": "f"}],
-                             "fresh": True} for i in range(2)]}
-        reg = d / "registry"  # each node's launcher: its own endpoint (one process here)
-        reg.mkdir(mode=0o700)
-        server = control.ControlServer({}, lambda req, a=answer: {**a, "asked": req},
-                                       directory=reg).start()
-        servers.append(server)
-        server.link_into(str(d))
-        nodes.append(StackRelay(str(d / "rank0.peers.json"), node, 2))
+    relays = []
+    try:
+        for node in range(2):
+            d = tmp_path / f"node{node}"
+            d.mkdir(mode=0o700)
+            answer = {"ok": True, "job": {"host": f"host{node}"},
+                      "ranks": [{"rank": 2 * node + i, "pid": 100 + i, "phase": "running",
+                                 "main": [{"file": "/job/x.py", "line": 3, "func": "f"}],
+                                 "fresh": True} for i in range(2)]}
+            reg = d / "registry"  # each node's launcher: its own endpoint (one process here)
+            reg.mkdir(mode=0o700)
+            server = control.ControlServer({}, lambda req, a=answer: {**a, "asked": req},
+                                           directory=reg).start()
+            servers.append(server)
+            server.link_into(str(d))
+            relays.append(StackRelay(str(d / "rank0.peers.json"), node, 2))
+        yield relays
+    finally:
+        for server in servers:
+            server.close()
+
+
+@contextlib.contextmanager
+def polling(store: FakeStore, relays: list[StackRelay], delays: list[float]) -> Iterator[None]:
+    """Each relay polls the store every 0.05 s, from ``delays[i]`` s on (as a watch that has
+    only just connected)."""
     stop = threading.Event()
 
-    def watch(relay: StackRelay) -> None:
+    def watch(relay: StackRelay, delay: float) -> None:
+        if stop.wait(delay):
+            return
         while not stop.is_set():
             relay.poll(store)
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=watch, args=(r,), daemon=True) for r in nodes]
+    threads = [threading.Thread(target=watch, args=(r, d), daemon=True)
+               for r, d in zip(relays, delays, strict=True)]
     for t in threads:
         t.start()
     try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def test_the_store_relay_brings_another_nodes_launcher_answer(tmp_path: Path) -> None:
+    store = FakeStore()
+    with two_launchers(tmp_path) as relays, polling(store, relays, [0.0, 0.0]):
         time.sleep(0.2)  # both relays have seen the counter once
         req = tmp_path / "node0" / "rank0.peers.json.stacks-request"
         req.write_text(json.dumps({"id": "abc", "deadline": time.time() + 3}))
@@ -417,12 +454,42 @@ def test_the_store_relay_brings_another_nodes_launcher_answer(tmp_path: Path) ->
         assert remote["job"]["host"] == "host1" and [r["rank"] for r in remote["ranks"]] == [2, 3]
         assert remote["asked"] == {"op": "stacks", "scope": "node", "all_threads": True}
         assert not any(k.endswith(("/open", "/node/1")) for k in store.data)  # cleaned up
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        for s in servers:
-            s.close()
+
+
+def _asking_snapshot(tmp_path: Path) -> JobSnapshot:
+    return JobSnapshot({"nnodes": 2, "node_rank": 0}, (), str(tmp_path),
+                       True, str(tmp_path / "node0" / "rank0.peers.json"))
+
+
+def test_other_nodes_are_asked_even_before_this_nodes_watch_has_connected(
+        tmp_path: Path) -> None:
+    """Right after init_process_group a script runs ahead of its node's store watch: a stacks
+    request then waits for the relay's first poll instead of giving up at once."""
+    store = FakeStore()
+    peers = PeerView()  # what the supervisor knows: not connected yet
+    with two_launchers(tmp_path) as relays, polling(store, relays, [0.4, 0.0]):
+        started = time.monotonic()
+        snap = _asking_snapshot(tmp_path)
+        request_id = _ask_other_nodes(snap.peers_file, started + REMOTE_WAIT_S)
+        answer: dict[str, Any] = {"nodes": [], "ranks": []}
+        threading.Timer(0.4, lambda: setattr(peers, "reader_connected", True)).start()
+        _merge_other_nodes(answer, snap, request_id, started + REMOTE_WAIT_S, False, started,
+                           peers)
+    [node1] = answer["nodes"]
+    assert node1["node"] == 1 and node1["answered"] and node1["host"] == "host1", node1
+    assert [r["rank"] for r in answer["ranks"]] == [2, 3]
+
+
+def test_a_node_whose_watch_never_connects_says_so_after_the_wait(tmp_path: Path) -> None:
+    with two_launchers(tmp_path):
+        started = time.monotonic()
+        snap = _asking_snapshot(tmp_path)
+        request_id = _ask_other_nodes(snap.peers_file, started + 0.3)
+        answer: dict[str, Any] = {"nodes": [], "ranks": []}
+        _merge_other_nodes(answer, snap, request_id, started + 0.3, False, started, PeerView())
+    [node1] = answer["nodes"]
+    assert not node1["answered"] and "holds no connection to the job's store" in node1["error"]
+    assert time.monotonic() - started >= 0.3
 
 
 def test_stacks_and_status_without_any_job(capsys: pytest.CaptureFixture[str], tmp_path: Path,

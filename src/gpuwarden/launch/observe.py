@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ from gpuwarden.launch.stall import (
 )
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.supervisor import Supervisor
+    from gpuwarden.launch.supervisor import PeerView, Supervisor
 
 SNAPSHOT_SCHEMA = 1
 FRESH_WAIT_S = 1.0  # a rank's sampling thread answers in milliseconds unless the GIL is held
@@ -310,12 +310,6 @@ class JobObserver:
             return self.stacks(request.get("scope") == "node", bool(request.get("all_threads")))
         return {"ok": False, "error": f"unknown request {str(op)[:40]!r}"}
 
-    def _store_connected(self) -> bool:
-        """Whether local rank 0's store watch has connected (read live: it may connect while
-        a request waits, and its relay then picks the request up at its next poll)."""
-        peers = self.sup.peers
-        return peers is not None and peers.reader_connected
-
     def stacks(self, node_only: bool, all_threads: bool) -> dict[str, Any]:
         started = time.monotonic()
         snap = self.snapshot()
@@ -347,7 +341,7 @@ class JobObserver:
                                   "nodes": [node], "ranks": ranks}
         if request_id:
             _merge_other_nodes(answer, snap, request_id, started + REMOTE_WAIT_S, all_threads,
-                               started, self._store_connected)
+                               started, self.sup.peers)
         answer["ranks"].sort(key=lambda r: r.get("rank", -1))
         answer["nodes"].sort(key=lambda n: n.get("node", -1))
         answer["after_s"] = round(time.monotonic() - started, 3)
@@ -370,7 +364,7 @@ def _ask_other_nodes(peers_file: str, deadline_mono: float) -> str:
 
 def _merge_other_nodes(answer: dict[str, Any], snap: JobSnapshot, request_id: str,
                        deadline: float, all_threads: bool, started: float,
-                       store_connected: Callable[[], bool]) -> None:
+                       peers: PeerView | None) -> None:
     nnodes = int(snap.public["nnodes"])
     me = int(snap.public["node_rank"])
     from gpuwarden.launch.supervisor import _read_json
@@ -387,7 +381,8 @@ def _merge_other_nodes(answer: dict[str, Any], snap: JobSnapshot, request_id: st
             got = nodes if isinstance(nodes, dict) else {}
             break
         time.sleep(0.02)
-    connected = bool(got) or store_connected()
+    # ``peers`` is the supervisor's live view: the watch may have connected while we waited.
+    connected = bool(got) or (peers is not None and peers.reader_connected)
     for node in range(nnodes):
         if node == me:
             continue
