@@ -10,7 +10,7 @@ reads, the scheduler plugin) must add no measurable per-task cost. Without a GPU
 on a simulated 2-GPU host (tests/scenarios/two_gpu.json), pinned exactly as on a real one.
 Usage: python benchmarks/bench_dask.py [--workers 2] [--tasks 1000] [--repeat 5]
 """
-# verify-gpu: --workers 2 --tasks 300 --repeat 3
+# verify-gpu: --workers 2 --tasks 300 --repeat 2
 
 from __future__ import annotations
 
@@ -55,9 +55,21 @@ def start_scheduler(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, json.loads(info.read_text())["address"]
 
 
+def host_gpus() -> int:
+    """GPUs of the host the workers will see: the simulated one, or NVML's."""
+    simulated = env().get("GPUWARDEN_SIMULATE")
+    if simulated:
+        from gpuwarden.inventory.simulated import SimulatedBackend
+
+        return len(SimulatedBackend(simulated).read_host().gpus)
+    from gpuwarden.inventory.nvml import device_count
+
+    return device_count()
+
+
 def commands(address: str, workers: int) -> dict[str, list[str]]:
     """Both setups start ``workers`` nanny-managed workers with one thread each."""
-    gpus = 2 if workers % 2 == 0 else 1
+    gpus = 2 if workers % 2 == 0 and host_gpus() >= 2 else 1
     return {
         "gpuwarden worker": [sys.executable, "-m", "gpuwarden", "worker", address, "--gpus",
                              str(gpus), "--workers-per-gpu", str(workers // gpus)],

@@ -11,8 +11,13 @@
    with the environment a rank gets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), for a
    script without torch and for a 1-rank gloo all_reduce (the rank's normal exit included).
 
+With --gpu (a real GPU only; exit 77 without one), instead: one rank on GPU 0, an NCCL
+all_reduce (benchmarks/scripts/allreduce_nccl.py), launch → finish and the launcher's
+overhead against the same script run directly, gpuwarden launch -n 1 vs torchrun.
+
 Runs alternate (gpuwarden, torchrun) so both see the same machine load; medians are printed.
 """
+# verify-gpu: --gpu --pairs 2
 
 from __future__ import annotations
 
@@ -104,11 +109,32 @@ def overhead(label: str, script: Path, n: int) -> None:
           f"{mt:+.2f} s | - |", flush=True)
 
 
+def gpu(n: int) -> None:
+    from gpuwarden.inventory import real_gpu_present
+
+    if not real_gpu_present():
+        print("bench_launch --gpu: no GPU here (NVML reports none): skipped", file=sys.stderr)
+        raise SystemExit(77)
+    script = HERE / "allreduce_nccl.py"
+    print(f"medians of {n} alternating pairs, one rank on GPU 0\n")
+    print("| scenario (1 rank, GPU 0, NCCL) | gpuwarden launch | torchrun --standalone | ratio |")
+    print("|---|---|---|---|")
+    pairs("launch → finish, NCCL all_reduce", [str(BIN / "gpuwarden"), "launch", "-n", "1",
+                                               str(script)],
+          [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", str(script)], n)
+    overhead("1-rank NCCL all_reduce", script, n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--cap", type=float, default=30.0)
+    ap.add_argument("--gpu", action="store_true",
+                    help="only the one-GPU NCCL comparison (exit 77 without a GPU)")
     args = ap.parse_args()
+    if args.gpu:
+        gpu(args.pairs)
+        return
     os.environ.setdefault("GPUWARDEN_SIMULATE", "")
     start = time.monotonic()
     subprocess.run([sys.executable, "-c", "import torch"], check=True)  # warm the page cache

@@ -12,10 +12,17 @@ Measured in one run, same number of workers for everyone:
     as a memory map count once; RSS summed over the processes for comparison);
   - cold start with torch: pool creation to the first result of a task that uses torch.
 
+With --cuda (a real GPU only; exit 77 without one), instead: the same work with CUDA in the
+workers of one GPU, GPUPool vs loky's executor, both with --n-jobs workers on GPU 0:
+  - cold start: pool creation to a first result from every worker (each creates its context);
+  - a small CUDA computation per task (a 256x256 matmul on the GPU, a float back), warm;
+  - a 1 MiB CUDA tensor returned by each task: GPUPool hands it back on the CPU, loky pickles
+    it as a CUDA tensor, so the parent creates a CUDA context to receive it (said, and timed).
+
 Without a GPU the pool runs on a simulated 2-GPU host (tests/scenarios/two_gpu.json), so
 its workers are pinned exactly as on a real one. Usage: python benchmarks/bench_pool.py
 """
-# verify-gpu: --n-jobs 2 --tasks 500 --repeat 1
+# verify-gpu: --cuda --n-jobs 2 --tasks 200 --repeat 3
 
 from __future__ import annotations
 
@@ -41,6 +48,70 @@ def torch_task(x: int) -> float:
     import torch
 
     return float(torch.ones(4).sum()) + x
+
+
+def cuda_matmul(x: int) -> float:
+    import torch
+
+    a = torch.full((256, 256), float(x % 7), device="cuda")
+    return float((a @ a).sum())
+
+
+def cuda_tensor(x: int) -> Any:
+    import torch
+
+    return torch.full((512, 512), float(x), device="cuda")  # 1 MiB of float32
+
+
+def cuda_section(args: argparse.Namespace) -> int:
+    """GPUPool vs loky with CUDA in the workers of GPU 0 (the module docstring says what)."""
+    from gpuwarden.inventory import real_gpu_present
+
+    if not real_gpu_present():
+        print("bench_pool --cuda: no GPU here (NVML reports none): skipped", file=sys.stderr)
+        return 77
+    from joblib.externals.loky import get_reusable_executor
+
+    from gpuwarden.pool import GPUPool
+
+    n, tasks = args.n_jobs, args.tasks
+    print(f"CUDA in {n} workers on GPU 0, {tasks} tasks, best of {args.repeat}")
+    rows: dict[str, dict[str, float]] = {"loky": {}, "GPUPool": {}}
+
+    def measure(name: str, submit: Callable[..., Any]) -> None:
+        t0 = time.perf_counter()
+        for f in [submit(cuda_matmul, i) for i in range(n)]:
+            f.result()
+        rows[name]["cold"] = time.perf_counter() - t0
+        rows[name]["matmul"] = best(
+            lambda: [f.result() for f in [submit(cuda_matmul, i) for i in range(tasks)]],
+            args.repeat) / tasks
+        rows[name]["tensor"] = best(
+            lambda: [f.result() for f in [submit(cuda_tensor, i) for i in range(tasks // 4)]],
+            args.repeat) / (tasks // 4)
+
+    # GPUPool first: loky's CUDA results initialize CUDA in this process, which must not
+    # colour the other measurement.
+    with GPUPool(gpus=1, workers_per_gpu=n, allow_shared=True, preload=("torch",)) as pool:
+        measure("GPUPool", pool.submit)
+        device = pool.submit(cuda_tensor, 1).result().device.type
+    import torch
+
+    pool_parent_cuda = torch.cuda.is_initialized()
+    loky = get_reusable_executor(max_workers=n, reuse=False)
+    measure("loky", loky.submit)
+    loky.shutdown(wait=True)
+    loky_parent_cuda = torch.cuda.is_initialized()
+    print(f"{'':12} {'cold start':>12} {'matmul/task':>13} {'1 MiB CUDA tensor back/task':>29}")
+    for name, r in rows.items():
+        print(f"{name:12} {r['cold'] * 1e3:9.0f} ms {r['matmul'] * 1e6:10.0f} us "
+              f"{r['tensor'] * 1e6:26.0f} us")
+    lo, gp = rows["loky"], rows["GPUPool"]
+    print(f"GPUPool / loky: cold {gp['cold'] / lo['cold']:.2f}x, matmul {gp['matmul'] / lo['matmul']:.2f}x, "
+          f"tensor back {gp['tensor'] / lo['tensor']:.2f}x")
+    print(f"CUDA initialized in this process: after GPUPool {pool_parent_cuda}, after loky "
+          f"{loky_parent_cuda}; GPUPool's CUDA tensors arrive on: {device}")
+    return 0
 
 
 def array_sum(a: Any) -> float:
@@ -133,7 +204,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--array-mb", type=int, default=200,
                         help="size of the array given to each of 8 tasks (0: skip)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="only the CUDA comparison on the real GPU 0 (exit 77 without one)")
     args = parser.parse_args()
+    if args.cuda:
+        return cuda_section(args)
     if not os.environ.get("GPUWARDEN_SIMULATE"):
         from gpuwarden.inventory import real_gpu_present
 

@@ -1,10 +1,20 @@
 """One real-GPU verification run: gpu tests, every story, the GPU benchmarks, one report.
 
-    scripts/verify-gpu [OUTDIR]        # OUTDIR defaults to $OUT
+    scripts/verify-gpu [OUTDIR] [--budget-s 420] [--wheelhouse .whl]   # OUTDIR defaults to $OUT
 
 Writes OUTDIR/report.md and OUTDIR/report.json (schema_version 1), plus each command's output
-under OUTDIR/logs/. Read-only towards the card: versions come from a torch subprocess, NVML and
-`nvidia-smi --query-gpu` (a query); nothing here changes a setting (no -c, -pm, -mig, --reset).
+under OUTDIR/logs/ and what NVML answered under OUTDIR/nvml.json.
+
+On a machine that reaches no package index (the lent GPU machine), ``--wheelhouse DIR`` makes
+the run self-contained: a throw-away virtual environment on top of the given interpreter's
+packages (torch, the image's own), with DIR's wheels installed --no-index --no-deps (what the
+image lacks: scripts/gpu-wheelhouse fetches them) and gpuwarden from this checkout's src/, its
+`gpuwarden` command and `torchrun` beside the interpreter as the tests expect. Nothing is
+installed into the given interpreter and nothing is fetched; a missing wheel shows as a
+module that does not import, in the report's environment section.
+
+Read-only towards the card: versions come from a torch subprocess, NVML and `nvidia-smi
+--query-gpu` (a query); nothing here changes a setting (no -c, -pm, -mig, --reset).
 
 Every process it starts runs in its own session (process group) and carries the variable
 GPUWARDEN_VERIFY_RUN=<id>; whatever ends, is interrupted or times out, its group is killed, and
@@ -34,15 +44,29 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "stories"))
+# The checkout's gpuwarden is the one verified, installed or not (the lent machine's python
+# has none); the stories' catalog sits beside the stories.
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "examples" / "stories")]
 import catalog  # noqa: E402
 
 SCHEMA_VERSION = 1
 RUN_ENV = "GPUWARDEN_VERIFY_RUN"
 # Benchmarks opt in with a line "# verify-gpu: ARGS" (the arguments for a short GPU run).
 BENCH_MARKER = re.compile(r"^# verify-gpu:(.*)$", re.MULTILINE)
-# Stage shares of the budget; what a stage leaves unused goes to the next ones.
-STAGE_SHARES = {"versions": 0.05, "tests": 0.35, "stories": 0.45, "benchmarks": 0.15}
+# Stage shares of the budget; what a stage leaves unused goes to the next ones. NVML's own
+# answers come first: they are what no CPU machine can show.
+STAGE_SHARES = {"versions": 0.04, "nvml": 0.08, "tests": 0.33, "stories": 0.40,
+                "benchmarks": 0.15}
+STAGES = ("nvml", "tests", "stories", "benchmarks")
+# gpu-marked test files in the order they run (the rest follow): NVML first, the slow
+# multi-process ones (stalls, restarts, Dask) last.
+FIRST_TEST_FILES = ("test_nvml_contract", "test_forksafe", "test_pool_gpu", "test_launch_gpu",
+                    "test_status_gpu", "test_launch_stall_gpu", "test_launch_restart",
+                    "test_dask_gpu")
+# What gpuwarden, its tests, stories and benchmarks import; the environment section says which
+# of these the interpreter lacks (a missing wheel) before anything runs.
+NEEDED_MODULES = ("gpuwarden", "torch", "pynvml", "psutil", "rich", "cloudpickle", "joblib",
+                  "numpy", "pytest", "pytest_timeout", "threadpoolctl", "dask", "distributed")
 
 _TORCH_PROBE = r"""
 import json, torch
@@ -161,6 +185,69 @@ def gpu_count(facts: dict[str, Any]) -> int:
     return len(facts.get("gpus", []))
 
 
+# ---- a self-contained interpreter on a machine without a package index ----------------------
+
+# The interpreter's package folders: its venv's, and the system's when the venv includes them.
+_SITE_PATHS = ("import json, sys; print(json.dumps([sys.version_info[:2], "
+               "[p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]]))")
+_SHIMS = {  # console scripts the tests and benchmarks look for beside sys.executable
+    "gpuwarden": "from gpuwarden.cli import console_main as main",
+    "torchrun": "from torch.distributed.run import main",
+    "dask": "from dask.__main__ import main",
+}
+
+
+def prepare_environment(python: str, wheelhouse: Path, env_dir: Path) -> tuple[str, dict[str, Any]]:
+    """A venv at ``env_dir`` that sees ``python``'s packages, the wheelhouse and src/.
+
+    Returns the new interpreter and what was done (for the report). Raises RuntimeError with
+    the command's output when a step fails: the run cannot go on without an interpreter.
+    """
+    info: dict[str, Any] = {"base_python": python, "wheelhouse": str(wheelhouse),
+                            "env": str(env_dir)}
+    wheels = sorted(str(p) for p in wheelhouse.glob("*.whl"))
+    info["wheels"] = [Path(w).name for w in wheels]
+    done = _checked([python, "-c", _SITE_PATHS])
+    version, site_paths = json.loads(done.splitlines()[-1])
+    _checked([python, "-m", "venv", "--without-pip", str(env_dir)])
+    extra = env_dir / "wheels"
+    if wheels:
+        # --no-index: the lent machine reaches no registry, and a rehearsal must fail the same
+        # way; PIP_CONFIG_FILE: no index or option from a user's pip.conf applies either.
+        _checked([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                  "--no-compile", "--no-cache-dir", "--disable-pip-version-check",
+                  "--target", str(extra), *wheels],
+                 env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
+    site = env_dir / "lib" / f"python{version[0]}.{version[1]}" / "site-packages"
+    site.mkdir(parents=True, exist_ok=True)
+    paths = [str(ROOT / "src"), str(extra), *site_paths]
+    (site / "_gpuwarden_verify.pth").write_text("\n".join(dict.fromkeys(paths)) + "\n")
+    new_python = env_dir / "bin" / "python"
+    for name, import_line in _SHIMS.items():
+        shim = env_dir / "bin" / name
+        # The guard matters: a spawned child (Dask's nanny) imports the main script again.
+        shim.write_text(f"#!{new_python}\nimport sys\n{import_line}\n"
+                        "if __name__ == '__main__':\n    sys.exit(main())\n")
+        shim.chmod(0o755)
+    probe = ("import importlib, json\nmissing = []\n"
+             f"for m in {NEEDED_MODULES!r}:\n"
+             "    try:\n        importlib.import_module(m)\n"
+             "    except Exception as exc:\n        missing.append(f'{m} ({exc!r:.200})')\n"
+             "print(json.dumps(missing))")
+    info["missing_modules"] = json.loads(_checked([str(new_python), "-c", probe]).splitlines()[-1])
+    return str(new_python), info
+
+
+def _checked(argv: list[str], env: dict[str, str] | None = None) -> str:
+    import subprocess
+
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:6])} ... exited {done.returncode}:\n"
+                           f"{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout
+
+
 # ---- stages -----------------------------------------------------------------------------------
 
 
@@ -176,6 +263,8 @@ def stage_versions(ctx: Context) -> dict[str, Any]:
                   "memory.total,compute_mode,mig.mode.current", "--format=csv"], ROOT, 30) \
         if _which("nvidia-smi") else None
     versions["nvidia_smi"] = smi.output.strip() if smi and smi.exit_code == 0 else None
+    if _which("nvidia-smi"):  # the whole reading, to set beside NVML's answers (a query only)
+        ctx.run("versions: nvidia-smi -q", ["nvidia-smi", "-q"], ROOT, 30)
     return versions
 
 
@@ -185,12 +274,31 @@ def _which(cmd: str) -> bool:
     return shutil.which(cmd) is not None
 
 
+def stage_nvml(ctx: Context) -> dict[str, Any]:
+    """NVML's raw answers, snapshot timings, a CUDA process as listed, the simulated round
+    trip (scripts/verify_gpu_nvml.py, in its own process: it creates a CUDA context)."""
+    res = ctx.run("nvml probe", [ctx.python, str(ROOT / "scripts" / "verify_gpu_nvml.py"),
+                                 str(ctx.out)], ROOT, max(30.0, ctx.left("nvml")))
+    path = ctx.out / "nvml.json"
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {"error": f"the probe wrote no nvml.json (exit {res.exit_code})"}
+    data.update(exit_code=res.exit_code, seconds=round(res.seconds, 1), timed_out=res.timed_out,
+                log=res.log, ok=res.exit_code == 0 and not res.timed_out)
+    return data
+
+
 def stage_tests(ctx: Context) -> dict[str, Any]:
     """Every gpu-marked test; the story tests are left to the stories stage (same commands)."""
     junit = ctx.out / "gpu-tests.xml"
-    argv = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-            "--ignore", str(ROOT / "tests" / "test_stories.py"), f"--junitxml={junit}",
-            str(ROOT / "tests")]
+    # Quick, informative files first: a stage cut short at its deadline (SIGINT: pytest still
+    # writes the junit file) has then answered the most.
+    tests = ROOT / "tests"
+    first = [tests / f"{name}.py" for name in FIRST_TEST_FILES if (tests / f"{name}.py").exists()]
+    argv = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
+            "--ignore", str(tests / "test_stories.py"), f"--junitxml={junit}",
+            *map(str, first), str(tests)]
     res = ctx.run("gpu tests", argv, ROOT, ctx.left("tests"))
     summary = parse_junit(junit)
     summary.update(exit_code=res.exit_code, seconds=round(res.seconds, 1), timed_out=res.timed_out,
@@ -258,12 +366,15 @@ def gpu_benchmarks(bench_dir: Path) -> list[tuple[Path, list[str]]]:
 
 def stage_benchmarks(ctx: Context) -> list[dict[str, Any]]:
     rows = []
-    for path, args in gpu_benchmarks(ROOT / "benchmarks"):
-        res = ctx.run(f"benchmark {path.name}", [ctx.python, str(path), *args], ROOT,
-                      ctx.left("benchmarks"))
+    found = gpu_benchmarks(ROOT / "benchmarks")
+    for done, (path, args) in enumerate(found):
+        # An equal share of what is left, so that one slow benchmark cannot starve the others.
+        share = ctx.left("benchmarks") / (len(found) - done)
+        res = ctx.run(f"benchmark {path.name}", [ctx.python, str(path), *args], ROOT, share)
+        skipped = res.exit_code == catalog.SKIP_EXIT and gpu_count(ctx.nvml) == 0
         rows.append({"benchmark": path.name, "args": args, "exit_code": res.exit_code,
                      "seconds": round(res.seconds, 1), "timed_out": res.timed_out,
-                     "ok": res.exit_code == 0 and not res.timed_out,
+                     "skipped": skipped, "ok": (res.exit_code == 0 or skipped) and not res.timed_out,
                      "output": res.output.strip()[-4000:], "log": res.log})
     return rows
 
@@ -308,6 +419,8 @@ def run_all(ctx: Context, stages: list[str]) -> dict[str, Any]:
     }
     try:
         report["versions"] = stage_versions(ctx)
+        if "nvml" in stages:
+            report["nvml"] = stage_nvml(ctx)
         if "tests" in stages:
             report["tests"] = stage_tests(ctx)
         if "stories" in stages:
@@ -332,7 +445,7 @@ def run_all(ctx: Context, stages: list[str]) -> dict[str, Any]:
 def overall_ok(report: dict[str, Any]) -> bool:
     if report.get("interrupted") or report.get("error") or report.get("stray_processes_killed"):
         return False
-    parts = [report.get("tests", {"ok": True})["ok"]]
+    parts = [report.get("tests", {"ok": True})["ok"], report.get("nvml", {"ok": True})["ok"]]
     parts += [row["ok"] for row in report.get("stories", [])]
     parts += [row["ok"] for row in report.get("benchmarks", [])]
     return all(parts)
@@ -359,6 +472,16 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"compute mode {gpu['compute_mode']}")
     for dev in torch_v.get("devices", []):
         lines.append(f"- torch sees cuda:{dev['index']}: {dev['name']} (sm {dev['capability']})")
+    env = report.get("environment") or {}
+    if env.get("wheelhouse"):
+        missing = env.get("missing_modules") or []
+        lines += ["", "## Environment", "",
+                  f"A throw-away venv on {env['base_python']}'s packages, with "
+                  f"{len(env['wheels'])} wheel(s) from {env['wheelhouse']} (--no-index): "
+                  f"{', '.join(env['wheels']) or 'none'}; gpuwarden from the checkout's src/.",
+                  "", "Modules that do not import: " + (", ".join(missing) or "none") + "."]
+    if "nvml" in report:
+        lines += render_nvml(report["nvml"])
     if "tests" in report:
         t = report["tests"]
         c = t["counts"]
@@ -393,6 +516,50 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_nvml(nvml: dict[str, Any]) -> list[str]:
+    lines = ["", "## NVML on the card", "",
+             f"Probe exit {nvml.get('exit_code')}, {nvml.get('seconds')} s (log `{nvml.get('log')}`, "
+             "every raw answer in `nvml.json`). Nested PID namespace: "
+             f"{nvml.get('nested_pid_namespace')}; nvidia-ml-py {nvml.get('pynvml_version')}."]
+    if "error" in nvml:
+        lines += ["", f"**{nvml['error']}**"]
+    for part in ("raw", "timing", "process", "round_trip"):
+        answer = nvml.get(part)
+        if isinstance(answer, dict) and "error" in answer:
+            lines += ["", f"Part {part} failed: `{_last_line(answer['error'])}`"]
+    timing = nvml.get("timing") or {}
+    if timing and "error" not in timing:
+        lines += ["", "Snapshot time: " + ", ".join(f"{k} {v}" for k, v in timing.items()) + "."]
+    raw = nvml.get("raw") or {}
+    for i, gpu in enumerate(raw.get("gpus", []) if isinstance(raw, dict) else []):
+        refused = sorted(f"{name} ({answer['error'].replace('NVMLError_', '')})"
+                         for name, answer in gpu.items()
+                         if isinstance(answer, dict) and "error" in answer)
+        lines += ["", f"GPU {i}: queries NVML refused: " + ("; ".join(refused) or "none") + "."]
+    proc = nvml.get("process") or {}
+    if proc and "error" not in proc:
+        listed = proc.get("listed_by_gpuwarden") or []
+        lines += ["", "A CUDA context holding 1 GiB: " + (
+            f"torch reserved {proc.get('torch_reserved_bytes')} B; gpuwarden listed "
+            f"{listed[0] if listed else 'NOTHING'}; context overhead "
+            f"{proc.get('context_overhead_bytes')} B; GPU 0 used {proc.get('gpu0_used_before_bytes')}"
+            f" → {proc.get('gpu0_used_while_bytes')} → {proc.get('gpu0_used_after_bytes')} B; "
+            f"still listed after exit: {proc.get('still_listed_after_exit')}.")]
+    trip = nvml.get("round_trip") or {}
+    diffs = trip.get("differences")
+    if diffs is not None:
+        lines += ["", f"Real snapshot → scenario → simulated backend: {len(diffs)} field(s) differ"
+                  + (":" if diffs else ".")]
+        lines += [f"- `{d['field']}`: NVML {d['nvml']!r}, simulated {d['simulated']!r}"
+                  for d in diffs[:40]]
+    return lines
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def write_report(out: Path, report: dict[str, Any]) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(render_markdown(report))
@@ -407,10 +574,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="bound on the whole run in seconds (default 540)")
     p.add_argument("--python", default=sys.executable,
                    help="the interpreter with torch and gpuwarden (default: this one)")
-    p.add_argument("--stages", default="tests,stories,benchmarks",
-                   help="comma list of tests, stories, benchmarks (default: all)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help=f"comma list of {', '.join(STAGES)} (default: all)")
     p.add_argument("--story", action="append", default=[], metavar="FOLDER",
                    help="run only this story folder (repeatable), e.g. 4-rendezvous-stall")
+    p.add_argument("--wheelhouse", metavar="DIR",
+                   help="wheels to install --no-index into a throw-away venv on top of --python "
+                   "(for a machine without a package index; scripts/gpu-wheelhouse fetches them)")
     p.add_argument("--allow-no-gpu", action="store_true",
                    help="run without a GPU (the GPU-only story parts then skip): for testing")
     return p.parse_args(argv)
@@ -425,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         print("verify-gpu: no output directory: give one, or set $OUT", file=sys.stderr)
         return 2
     stages = [s for s in args.stages.split(",") if s]
-    unknown = set(stages) - {"tests", "stories", "benchmarks"}
+    unknown = set(stages) - set(STAGES)
     if unknown or args.budget_s <= 0:
         print(f"verify-gpu: bad --stages {sorted(unknown)} or --budget-s {args.budget_s}",
               file=sys.stderr)
@@ -445,6 +615,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify-gpu: no GPU ({nvml.get('error', 'NVML reports 0 GPUs')}); "
               "--allow-no-gpu to run anyway", file=sys.stderr)
         return 3
+    environment: dict[str, Any] = {"python": args.python}
+    if args.wheelhouse:
+        wheelhouse = Path(args.wheelhouse)
+        if not wheelhouse.is_dir():
+            print(f"verify-gpu: --wheelhouse {args.wheelhouse}: not a directory", file=sys.stderr)
+            return 2
+        import tempfile
+
+        env_dir = Path(tempfile.mkdtemp(prefix="gpuwarden-verify-env-"))
+        try:
+            args.python, environment = prepare_environment(args.python, wheelhouse.resolve(),
+                                                           env_dir)
+        except (RuntimeError, OSError, ValueError) as exc:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            print(f"verify-gpu: could not prepare the environment: {exc}", file=sys.stderr)
+            return 1
     ctx = Context(out, args.python, args.budget_s, nvml, stories)
 
     def interrupt(signum: int, _frame: Any) -> None:
@@ -457,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # main() is also called in-process (tests): give the handlers back
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
+        if args.wheelhouse:
+            shutil.rmtree(environment["env"], ignore_errors=True)
+    report["environment"] = environment
     write_report(out, report)
     print(f"verify-gpu: {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']} s; "
           f"report: {out / 'report.md'}", file=sys.stderr)

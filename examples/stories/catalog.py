@@ -29,6 +29,7 @@ from gpuwarden.inventory import real_gpu_present as has_gpu  # noqa: F401
 
 STORIES_DIR = Path(__file__).resolve().parent
 SKIP_EXIT = 77
+INTERRUPT_GRACE_S = 5.0  # from SIGINT at the deadline to SIGKILL
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class Outcome:
 def run_in_session(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float,
                    on_start: Callable[[int], None] | None = None,
                    on_end: Callable[[int], None] | None = None) -> tuple[int, str, float, bool]:
-    """Run ``argv`` in its own session, bounded by ``timeout_s``, and SIGKILL its process group
-    after; return (exit code, stdout+stderr, seconds, timed out).
+    """Run ``argv`` in its own session, bounded by ``timeout_s`` (then SIGINT, and after
+    :data:`INTERRUPT_GRACE_S` the rest), and SIGKILL its process group after; return (exit
+    code, stdout+stderr, seconds, timed out).
 
     Output goes to a temporary file, not a pipe: a grandchild that started a session of its own
     (story 3's memory hog, story 4's port holder) may keep the output open long after the story
@@ -77,6 +79,13 @@ def run_in_session(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
+            # SIGINT first, as Ctrl-C would: pytest then still writes what it has (its junit
+            # file), a script its traceback; whatever is left a moment later is killed.
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group goes too

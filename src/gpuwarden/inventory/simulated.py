@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -324,3 +324,59 @@ def _short(value: Any) -> str:
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
                list: "a list", dict: "an object"}
+
+
+def scenario_from_snapshot(host: HostSnapshot) -> dict[str, Any]:
+    """A host as a scenario (the inverse of :func:`parse_scenario`), so a real host read
+    through NVML can be replayed on a machine without a GPU (scripts/verify-gpu captures the
+    card it runs on this way).
+
+    Scenarios count memory in whole MiB: byte counts are rounded to the nearest MiB (a GPU's
+    total down, so that used never exceeds it). Fields NVML could not answer are left out.
+    """
+    return {
+        "comment": f"captured from {host.source} on {host.hostname} by gpuwarden",
+        "hostname": host.hostname,
+        "driver_version": host.driver_version,
+        "cuda_driver_version": host.cuda_driver_version,
+        "gpus": [_gpu_entry(gpu) for gpu in host.gpus],
+    }
+
+
+def _mib(value: int) -> int:
+    return (value + MIB // 2) // MIB
+
+
+def _gpu_entry(gpu: GPUSnapshot) -> dict[str, Any]:
+    total = gpu.memory_total_bytes // MIB
+    entry: dict[str, Any] = {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "name": gpu.name,
+        "memory_total_mib": total,
+        "memory_used_mib": min(total, _mib(gpu.memory_used_bytes)),
+        "processes": [_process_entry(p) for p in gpu.processes],
+    }
+    if gpu.mig_parent_uuid is None:
+        entry.update(pci_bus_id=gpu.pci_bus_id, utilization_gpu_pct=gpu.utilization_gpu_pct,
+                     compute_mode=gpu.compute_mode.value, mig_enabled=gpu.mig_enabled,
+                     error=gpu.error)
+        health = {k: (list(v) if isinstance(v, tuple) else v)
+                  for k, v in asdict(gpu.health).items() if v is not None}
+        if health:
+            entry["health"] = health
+        if gpu.mig_devices:
+            entry["mig_devices"] = [_gpu_entry(m) for m in gpu.mig_devices]
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+def _process_entry(proc: GPUProcess) -> dict[str, Any]:
+    entry = {
+        "pid": proc.pid, "user": proc.user, "command": proc.command,
+        "used_memory_mib": None if proc.used_memory_bytes is None else _mib(proc.used_memory_bytes),
+        "context": proc.context, "note": proc.note,
+        "host_memory_rss_mib": (None if proc.host_memory_rss_bytes is None
+                                else _mib(proc.host_memory_rss_bytes)),
+        "cpu_time_s": proc.cpu_time_s, "elapsed_s": proc.elapsed_s,
+    }
+    return {k: v for k, v in entry.items() if v is not None}
