@@ -92,7 +92,10 @@ def cuda_section(args: argparse.Namespace) -> int:
 
     # GPUPool first: loky's CUDA results initialize CUDA in this process, which must not
     # colour the other measurement.
-    with GPUPool(gpus=1, workers_per_gpu=n, allow_shared=True, preload=("torch",)) as pool:
+    # wait: a job that just ended may still hold its lease for a moment (the first real-GPU
+    # run started this right after a launcher was stopped, and was refused).
+    with GPUPool(gpus=1, workers_per_gpu=n, allow_shared=True, preload=("torch",),
+                 wait="60s") as pool:
         measure("GPUPool", pool.submit)
         device = pool.submit(cuda_tensor, 1).result().device.type
     import torch

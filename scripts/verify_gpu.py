@@ -298,7 +298,7 @@ def stage_tests(ctx: Context) -> dict[str, Any]:
     first = [tests / f"{name}.py" for name in FIRST_TEST_FILES if (tests / f"{name}.py").exists()]
     argv = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
             "--ignore", str(tests / "test_stories.py"), f"--junitxml={junit}",
-            *map(str, first), str(tests)]
+            *map(str, first), str(tests), *(["-k", ctx.test_filter] if ctx.test_filter else [])]
     res = ctx.run("gpu tests", argv, ROOT, ctx.left("tests"))
     summary = parse_junit(junit)
     summary.update(exit_code=res.exit_code, seconds=round(res.seconds, 1), timed_out=res.timed_out,
@@ -366,7 +366,8 @@ def gpu_benchmarks(bench_dir: Path) -> list[tuple[Path, list[str]]]:
 
 def stage_benchmarks(ctx: Context) -> list[dict[str, Any]]:
     rows = []
-    found = gpu_benchmarks(ROOT / "benchmarks")
+    found = [(path, args) for path, args in gpu_benchmarks(ROOT / "benchmarks")
+             if not ctx.benchmarks or path.name in ctx.benchmarks]
     for done, (path, args) in enumerate(found):
         # An equal share of what is left, so that one slow benchmark cannot starve the others.
         share = ctx.left("benchmarks") / (len(found) - done)
@@ -391,6 +392,8 @@ class Context:
         self.python = python
         self.nvml = nvml
         self.stories = stories
+        self.test_filter: str | None = None  # pytest -k expression (--tests)
+        self.benchmarks: list[str] = []  # file names (--benchmark); empty: all
         self.groups = Groups(uuid.uuid4().hex[:12])
         self.env = {**os.environ, RUN_ENV: self.groups.run_id, "PYTHONUNBUFFERED": "1"}
         self.start = time.monotonic()
@@ -523,7 +526,7 @@ def render_nvml(nvml: dict[str, Any]) -> list[str]:
              f"{nvml.get('nested_pid_namespace')}; nvidia-ml-py {nvml.get('pynvml_version')}."]
     if "error" in nvml:
         lines += ["", f"**{nvml['error']}**"]
-    for part in ("raw", "timing", "process", "round_trip"):
+    for part in ("raw", "libcuda", "timing", "process", "round_trip"):
         answer = nvml.get(part)
         if isinstance(answer, dict) and "error" in answer:
             lines += ["", f"Part {part} failed: `{_last_line(answer['error'])}`"]
@@ -536,6 +539,18 @@ def render_nvml(nvml: dict[str, Any]) -> list[str]:
                          for name, answer in gpu.items()
                          if isinstance(answer, dict) and "error" in answer)
         lines += ["", f"GPU {i}: queries NVML refused: " + ("; ".join(refused) or "none") + "."]
+        fabric = gpu.get("fabric") or {}
+        lines.append("Fabric (NVSwitch) state: " + "; ".join(
+            f"{name}: {answer.get('value', answer.get('error', answer))}"
+            for name, answer in fabric.items()) + ".")
+    for label, steps in (nvml.get("libcuda") or {}).items():
+        if isinstance(steps, dict) and "error" not in steps:
+            first = next((k for k in ("start", "import pynvml", "nvmlInit", "memory query",
+                                      "process query", "read_host") if steps.get(k)), None)
+            lines += ["", f"libcuda in a process that only reads NVML ({label}): first mapped at "
+                      f"{first or 'no step'}; holds a CUDA context: "
+                      f"{steps.get('holds_a_cuda_context')}; torch/cuda modules at start "
+                      f"{steps.get('modules_at_start')}, at end {steps.get('modules_at_end')}."]
     proc = nvml.get("process") or {}
     if proc and "error" not in proc:
         listed = proc.get("listed_by_gpuwarden") or []
@@ -578,6 +593,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"comma list of {', '.join(STAGES)} (default: all)")
     p.add_argument("--story", action="append", default=[], metavar="FOLDER",
                    help="run only this story folder (repeatable), e.g. 4-rendezvous-stall")
+    p.add_argument("--tests", metavar="EXPR",
+                   help="only the gpu tests pytest -k EXPR selects (a rerun of what failed)")
+    p.add_argument("--benchmark", action="append", default=[], metavar="FILE",
+                   help="run only this benchmark (repeatable), e.g. bench_pool.py")
     p.add_argument("--wheelhouse", metavar="DIR",
                    help="wheels to install --no-index into a throw-away venv on top of --python "
                    "(for a machine without a package index; scripts/gpu-wheelhouse fetches them)")
@@ -599,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.budget_s <= 0:
         print(f"verify-gpu: bad --stages {sorted(unknown)} or --budget-s {args.budget_s}",
               file=sys.stderr)
+        return 2
+    known = {path.name for path, _ in gpu_benchmarks(ROOT / "benchmarks")}
+    if set(args.benchmark) - known:
+        print(f"verify-gpu: no GPU benchmark named {sorted(set(args.benchmark) - known)} "
+              f"(those with a '# verify-gpu:' line: {', '.join(sorted(known))})", file=sys.stderr)
         return 2
     stories = [r for r in catalog.ALL if not args.story or r.story in args.story]
     if args.story and not stories:
@@ -632,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"verify-gpu: could not prepare the environment: {exc}", file=sys.stderr)
             return 1
     ctx = Context(out, args.python, args.budget_s, nvml, stories)
+    ctx.test_filter, ctx.benchmarks = args.tests, args.benchmark
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise Interrupted(signum)

@@ -109,8 +109,6 @@ def raw_readings(nvml: Any) -> dict[str, Any]:
             ("nvmlDeviceGetComputeRunningProcesses", ()),
             ("nvmlDeviceGetGraphicsRunningProcesses_v3", ()),
             ("nvmlDeviceGetMPSComputeRunningProcesses_v3", ()),
-            # The NVSwitch fabric state (HGX/DGX): what CUDA_SYSTEM_NOT_READY comes from.
-            ("nvmlDeviceGetGpuFabricInfo", ()), ("nvmlDeviceGetGpuFabricInfoV", ()),
         ]
         answers: dict[str, Any] = {}
         for name, args in queries:
@@ -122,8 +120,87 @@ def raw_readings(nvml: Any) -> dict[str, Any]:
                 break
             links += 1
         answers["nvlinks_answering"] = links
+        answers["fabric"] = fabric_info(nvml, handle)
         gpus.append(answers)
     return {"system": system, "gpus": gpus}
+
+
+def fabric_info(nvml: Any, handle: Any) -> dict[str, Any]:
+    """The NVSwitch fabric state (HGX/DGX): what CUDA_SYSTEM_NOT_READY comes from. The query
+    fills a struct the caller passes (the versioned one first)."""
+    import ctypes
+
+    out: dict[str, Any] = {}
+    for name, struct in (("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t"),
+                         ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")):
+        cls = getattr(nvml, struct, None)
+        if cls is None or getattr(nvml, name, None) is None:
+            out[name] = {"missing_in_bindings": True}
+            continue
+        info = cls()
+        answer = _call(nvml, name, handle, ctypes.byref(info))
+        if "error" not in answer:
+            answer["value"] = {"state": int(info.state), "status": int(info.status),
+                               "cliqueId": int(info.cliqueId),
+                               "healthMask": int(getattr(info, "healthMask", 0))}
+        out[name] = answer
+    return out
+
+
+_MAPS_PROBE = r"""
+import json, os, sys
+def mapped():
+    return sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcuda" in line})
+steps = {"pid": os.getpid(), "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
+         "modules_at_start": sorted(m for m in sys.modules if "torch" in m or "cuda" in m)}
+steps["start"] = mapped()
+import pynvml
+steps["import pynvml"] = mapped()
+pynvml.nvmlInit()
+steps["nvmlInit"] = mapped()
+handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+pynvml.nvmlDeviceGetMemoryInfo(handle)
+steps["memory query"] = mapped()
+pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+steps["process query"] = mapped()
+from gpuwarden.inventory.nvml import NvmlBackend
+NvmlBackend().read_host()
+steps["read_host"] = mapped()
+steps["modules_at_end"] = sorted(m for m in sys.modules if "torch" in m or "cuda" in m)
+print(json.dumps(steps), flush=True)
+sys.stdin.readline()
+"""
+
+
+def libcuda() -> dict[str, Any]:
+    """Which step maps libcuda into a process that only reads NVML, and whether that process
+    then holds a CUDA context (NVML lists it): mapping a library is not creating a context."""
+    out: dict[str, Any] = {}
+    for label, argv in (("with site", [sys.executable, "-c", _MAPS_PROBE]),):
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline() if child.stdout else ""
+            try:
+                steps = json.loads(line)
+            except ValueError:
+                out[label] = {"error": line + (child.stderr.read()[-1500:] if child.stderr else "")}
+                continue
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+                pids = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            finally:
+                pynvml.nvmlShutdown()
+            steps["holds_a_cuda_context"] = steps["pid"] in pids
+            out[label] = steps
+        finally:
+            if child.stdin:
+                child.stdin.close()
+            child.wait(30)
+    return out
 
 
 def timing(repeat: int = 20) -> dict[str, Any]:
@@ -272,7 +349,8 @@ def main() -> int:
         result["pynvml_version"] = __import__("importlib.metadata").metadata.version("nvidia-ml-py")
     except Exception:
         result["pynvml_version"] = None
-    parts = (("raw", lambda: _with_nvml(pynvml, raw_readings)), ("timing", timing),
+    parts = (("raw", lambda: _with_nvml(pynvml, raw_readings)), ("libcuda", libcuda),
+             ("timing", timing),
              ("process", process_shape), ("round_trip", round_trip))
     for name, part in parts:
         t0 = time.perf_counter()

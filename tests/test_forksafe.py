@@ -152,6 +152,28 @@ def test_gpu_is_available_alone_poisons_fork() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_device_count_alone_leaves_a_forked_child_able_to_use_cuda() -> None:
+    """torch counts GPUs through NVML when it can: no at-fork handler, the child's CUDA works
+    (the first real-GPU run showed story 1's ranks reaching NCCL after device_count())."""
+    out = run_py("""
+        import torch, gpuwarden
+        out["count"] = torch.cuda.device_count()
+        out["safe"] = gpuwarden.fork_safe()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                torch.zeros(1, device="cuda"); msg = "ok"
+            except BaseException as exc:
+                msg = str(exc)
+            os.write(w, msg.encode()[:500]); os._exit(0)
+        os.close(w); os.waitpid(pid, 0)
+        out["child"] = os.read(r, 1000).decode()
+    """, env={"PYTORCH_NVML_BASED_CUDA_CHECK": ""})
+    assert out["count"] >= 1 and out["safe"] is True and out["child"] == "ok", out
+
+
+@pytest.mark.gpu
 def test_gpu_nvml_based_check_keeps_fork_safe_until_cuda_is_used() -> None:
     out = run_py("""
         import torch, gpuwarden

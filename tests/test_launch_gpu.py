@@ -13,12 +13,22 @@ SCRIPTS = Path(__file__).parent / "launch_scripts"
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("real_host", "no_leftover_processes")]
 
 
+@pytest.fixture(autouse=True)
+def unclosed_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """init_allreduce.py writes a file it never closes there (test_launch_procs reads it); the
+    first run on a real GPU found these tests without it: every rank died of a KeyError."""
+    monkeypatch.setenv("UNCLOSED_LOG_DIR", str(tmp_path))
+    return tmp_path
+
+
 @pytest.mark.timeout(180)
-def test_one_rank_nccl_with_init(capsys: pytest.CaptureFixture[str]) -> None:
+def test_one_rank_nccl_with_init(capsys: pytest.CaptureFixture[str], unclosed_log_dir: Path
+                                 ) -> None:
     code = main(["launch", "-n", "1", "--min-free", "1GiB", str(SCRIPTS / "init_allreduce.py")])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "[rank0]: rank 0/1 local 0 cuda:0 nccl launcher=gpuwarden sum=1" in out
+    assert (unclosed_log_dir / "rank0.txt").read_text() == "written without close\n"
 
 
 @pytest.mark.timeout(180)

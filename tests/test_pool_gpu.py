@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +14,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
 def run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=240)
+    """Run ``code`` as a script file, as users run theirs: a spawned child (a DataLoader worker
+    with the spawn context) re-imports the main module by its path, which ``python -c`` has
+    not (the first real-GPU run failed on that: "Can't get attribute 'OnGPU' on <module
+    '__main__' (built-in)>")."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "job.py"
+        script.write_text(textwrap.dedent(code))
+        return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=240)
 
 
 DATASET = """

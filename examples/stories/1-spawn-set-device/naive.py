@@ -3,9 +3,12 @@
     python naive.py fork-after-cuda   # the parent asked torch.cuda, then forked the ranks
     python naive.py no-set-device     # mp.spawn, NCCL, and no torch.cuda.set_device(rank)
 
-fork-after-cuda: ``torch.cuda.device_count()`` in the parent (to choose nprocs), then
+fork-after-cuda: ``torch.cuda.is_available()`` in the parent (is there a GPU at all?), then
 ``start_processes(..., start_method="fork")`` — what ``multiprocessing.Process`` does by default
-on Linux. Each rank's first CUDA call fails: CUDA_FORK_REINIT.
+on Linux. Each rank's first CUDA call fails: CUDA_FORK_REINIT. (``device_count()`` alone would
+not do it: torch counts through NVML when it can, which leaves forked children able to use
+CUDA; the first run on a real GPU showed exactly that, the ranks getting as far as NCCL.
+``is_available()`` asks the CUDA runtime unless PYTORCH_NVML_BASED_CUDA_CHECK=1.)
 no-set-device: ``mp.spawn`` starts clean processes, but no rank calls ``set_device``, so every
 rank's ``cuda`` is GPU 0 and NCCL refuses the communicator: "Duplicate GPU detected"
 (NCCL_DUPLICATE_GPU), at the first collective, since NCCL starts lazily. Two ranks, so one GPU
@@ -57,7 +60,9 @@ def main() -> int:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     try:
         if case == "fork-after-cuda":
-            nprocs = max(2, torch.cuda.device_count())  # the parent "only asked"
+            if not torch.cuda.is_available():  # the parent "only asked"
+                return SKIP_EXIT
+            nprocs = max(2, torch.cuda.device_count())
             mp.start_processes(worker, args=(nprocs, True), nprocs=nprocs, start_method="fork")
         else:
             mp.spawn(worker, args=(2, False), nprocs=2)

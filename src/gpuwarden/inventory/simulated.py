@@ -161,8 +161,8 @@ def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
     f = _Fields(raw, where)
     index = f.get("index", int)
     uuid = f.get("uuid", str)
-    total = f.get("memory_total_mib", int) * MIB
-    used = f.get("memory_used_mib", int) * MIB
+    total = _memory(f, "memory_total")
+    used = _memory(f, "memory_used")
     if used > total:
         raise ScenarioError(
             f"{where}.memory_used_mib is larger than memory_total_mib", fix=_FIX
@@ -245,8 +245,8 @@ def _parse_mig(raw: Any, where: str, *, index: int, parent: str) -> GPUSnapshot:
         uuid=uuid,
         name=f.get("name", str, default="MIG instance"),
         pci_bus_id="",
-        memory_total_bytes=f.get("memory_total_mib", int) * MIB,
-        memory_used_bytes=f.get("memory_used_mib", int, default=0) * MIB,
+        memory_total_bytes=_memory(f, "memory_total"),
+        memory_used_bytes=_memory(f, "memory_used", default=0),
         utilization_gpu_pct=None,
         compute_mode=ComputeMode.DEFAULT,
         mig_enabled=False,
@@ -259,8 +259,8 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
     out = []
     for i, item in enumerate(raw):
         f = _Fields(item, f"{where}[{i}]")
-        mib = f.get("used_memory_mib", int, default=None)
-        rss_mib = f.get("host_memory_rss_mib", int, default=None)
+        used = _memory(f, "used_memory", default=None)
+        rss = _memory(f, "host_memory_rss", default=None)
         context = f.get("context", str, default="compute")
         if context not in _CONTEXTS:
             raise ScenarioError(f"{where}[{i}].context: {_short(context)} is not a context",
@@ -270,10 +270,10 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
                 pid=f.get("pid", int),
                 user=f.get("user", str, default=None),
                 command=f.get("command", str, default=None),
-                used_memory_bytes=None if mib is None else mib * MIB,
+                used_memory_bytes=used,
                 context=context,
                 note=f.get("note", str, default=None),
-                host_memory_rss_bytes=None if rss_mib is None else rss_mib * MIB,
+                host_memory_rss_bytes=rss,
                 cpu_time_s=f.get("cpu_time_s", float, default=None),
                 elapsed_s=f.get("elapsed_s", float, default=None),
             )
@@ -283,6 +283,17 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
 
 _CONTEXTS = ("compute", "graphics", "compute+graphics")
 _MISSING = object()
+
+
+def _memory(f: _Fields, name: str, default: Any = _MISSING) -> Any:
+    """``NAME_mib`` (whole MiB, what a person writes) or ``NAME_bytes`` (exact, what a host
+    captured from NVML needs: a real GPU's used memory is rarely whole MiB), in bytes."""
+    if f"{name}_mib" in f.data and f"{name}_bytes" in f.data:
+        raise ScenarioError(f"{f.where}: give {name}_mib or {name}_bytes, not both", fix=_FIX)
+    if f"{name}_bytes" in f.data:
+        return f.get(f"{name}_bytes", int, default=default)
+    mib = f.get(f"{name}_mib", int, default=default)
+    return mib * MIB if isinstance(mib, int) and mib is not default else mib
 
 
 class _Fields:
@@ -328,12 +339,9 @@ _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 def scenario_from_snapshot(host: HostSnapshot) -> dict[str, Any]:
     """A host as a scenario (the inverse of :func:`parse_scenario`), so a real host read
-    through NVML can be replayed on a machine without a GPU (scripts/verify-gpu captures the
-    card it runs on this way).
-
-    Scenarios count memory in whole MiB: byte counts are rounded to the nearest MiB (a GPU's
-    total down, so that used never exceeds it). Fields NVML could not answer are left out.
-    """
+    through NVML can be replayed exactly on a machine without a GPU (scripts/verify-gpu
+    captures the card it runs on this way). Memory is written in MiB where it is whole MiB,
+    else in bytes; fields NVML could not answer are left out."""
     return {
         "comment": f"captured from {host.source} on {host.hostname} by gpuwarden",
         "hostname": host.hostname,
@@ -343,18 +351,19 @@ def scenario_from_snapshot(host: HostSnapshot) -> dict[str, Any]:
     }
 
 
-def _mib(value: int) -> int:
-    return (value + MIB // 2) // MIB
+def _memory_entry(name: str, value: int | None) -> dict[str, int]:
+    if value is None:
+        return {}
+    return {f"{name}_mib": value // MIB} if value % MIB == 0 else {f"{name}_bytes": value}
 
 
 def _gpu_entry(gpu: GPUSnapshot) -> dict[str, Any]:
-    total = gpu.memory_total_bytes // MIB
     entry: dict[str, Any] = {
         "index": gpu.index,
         "uuid": gpu.uuid,
         "name": gpu.name,
-        "memory_total_mib": total,
-        "memory_used_mib": min(total, _mib(gpu.memory_used_bytes)),
+        **_memory_entry("memory_total", gpu.memory_total_bytes),
+        **_memory_entry("memory_used", gpu.memory_used_bytes),
         "processes": [_process_entry(p) for p in gpu.processes],
     }
     if gpu.mig_parent_uuid is None:
@@ -373,10 +382,9 @@ def _gpu_entry(gpu: GPUSnapshot) -> dict[str, Any]:
 def _process_entry(proc: GPUProcess) -> dict[str, Any]:
     entry = {
         "pid": proc.pid, "user": proc.user, "command": proc.command,
-        "used_memory_mib": None if proc.used_memory_bytes is None else _mib(proc.used_memory_bytes),
+        **_memory_entry("used_memory", proc.used_memory_bytes),
         "context": proc.context, "note": proc.note,
-        "host_memory_rss_mib": (None if proc.host_memory_rss_bytes is None
-                                else _mib(proc.host_memory_rss_bytes)),
+        **_memory_entry("host_memory_rss", proc.host_memory_rss_bytes),
         "cpu_time_s": proc.cpu_time_s, "elapsed_s": proc.elapsed_s,
     }
     return {k: v for k, v in entry.items() if v is not None}
