@@ -404,3 +404,33 @@ def test_host_stats_a_process_hides_are_unknown() -> None:
 
     assert nvml_backend._host_stats(Hidden()) == {
         "host_memory_rss_bytes": None, "cpu_time_s": None, "elapsed_s": None}
+
+
+def test_the_h200_of_the_first_real_run_reads_alike_through_the_driver_double_and_the_scenario(
+        ) -> None:
+    """What the lent H200 answered (docs/gpu-report.md), set up twice: as the driver double
+    answering what NVML answered (fan, retired pages, their pending status and NVLink refused
+    with NOT_SUPPORTED, MIG mode disabled, 615.06 MiB used with no process), and as the scenario
+    captured from that card. Both must give gpuwarden the same GPU, field for field."""
+    from gpuwarden.inventory.simulated import SimulatedBackend
+    from tests.conftest import SCENARIOS
+    from tests.fake_pynvml import ERROR
+
+    refused = ERROR + pynvml.NVML_ERROR_NOT_SUPPORTED
+    h200 = FakeGPU(
+        uuid="GPU-fade5c7c-782c-0525-3fcc-8cee7dcdacc4", name="NVIDIA H200",
+        bus_id="00000000:00:06.0", total_bytes=150_754_820_096, used_bytes=644_939_776,
+        utilization=0, mig_mode=pynvml.NVML_DEVICE_MIG_DISABLE,
+        health=FakeHealth(temperature_c=35, fan_pct=refused, power_mw=113_100,
+                          power_limit_mw=700_000, pstate=0, sm_clock_mhz=1980,
+                          sm_clock_max_mhz=1980, mem_clock_mhz=3201, clock_reasons=0,
+                          ecc_uncorrected=0, retired_sbe=refused, retired_dbe=refused,  # type: ignore[arg-type]
+                          retired_pending=refused, remapped_rows=(0, 0, 0, 0),
+                          nvlink_states=[]))  # no link: NOT_SUPPORTED, as the H200 answered
+    through_nvml = read(FakeDriver([h200], driver_version="580.159.04", cuda_version=13000))
+    captured = SimulatedBackend(SCENARIOS / "h200-verified.json").read_host()
+    assert (through_nvml.driver_version, through_nvml.cuda_driver_version) == ("580.159.04", "13.0")
+    assert through_nvml.gpus == captured.gpus
+    gpu0 = captured.gpus[0]
+    assert gpu0.memory_used_bytes % MIB and gpu0.health.fan_speed_pct is None
+    assert gpu0.health.retired_pages is None and gpu0.health.nvlinks_total is None

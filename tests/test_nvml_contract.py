@@ -42,12 +42,32 @@ def test_nvml_snapshot_agrees_with_nvml_itself() -> None:
 
 
 def test_reading_nvml_creates_no_cuda_context() -> None:
-    # A CUDA context needs the driver API library mapped in: NVML alone never loads libcuda.
-    code = ("from gpuwarden.inventory.nvml import NvmlBackend; NvmlBackend().read_host(); "
-            "print(any('libcuda.so' in line for line in open('/proc/self/maps')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={k: v for k, v in os.environ.items() if k != "GPUWARDEN_SIMULATE"})
-    assert out.stdout.strip() == "False"
+    """A process that reads every GPU through gpuwarden holds no CUDA context: NVML, asked from
+    outside while it waits, does not list it, and it has not imported torch.
+
+    Not "libcuda is not mapped": the first real-GPU run (H200, driver 580.159.04) showed
+    nvmlInit itself mapping libcuda.so into the process; mapping the library creates no
+    context (the same run's NVML listed none for that process)."""
+    import pynvml
+
+    code = ("import sys; from gpuwarden.inventory.nvml import NvmlBackend; "
+            "NvmlBackend().read_host(); print('torch' in sys.modules, flush=True); "
+            "sys.stdin.readline()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={k: v for k, v in os.environ.items() if k != "GPUWARDEN_SIMULATE"})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "False"
+        pynvml.nvmlInit()
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                pids = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+                assert child.pid not in pids, f"GPU {i} lists the reading process: a context"
+        finally:
+            pynvml.nvmlShutdown()
+    finally:
+        child.communicate("\n", timeout=30)
 
 
 def test_cli_ls_json_on_real_gpu(capsys, monkeypatch) -> None:

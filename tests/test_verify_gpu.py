@@ -184,3 +184,49 @@ def test_sigterm_mid_story_writes_the_report_and_leaves_nothing(tmp_path: Path) 
     assert report["interrupted"] == "received SIGTERM" and report["ok"] is False
     assert "**Interrupted**: received SIGTERM" in (tmp_path / "report.md").read_text()
     assert not wait_until_gone(carrying(report["run_id"]), 5.0)
+
+
+def tiny_wheel(directory: Path) -> Path:
+    """A wheel made here, offline: one module, the metadata pip needs."""
+    import zipfile
+
+    path = directory / "tinypkg_gw-1.0-py3-none-any.whl"
+    info = "tinypkg_gw-1.0.dist-info"
+    files = {"tinypkg_gw/__init__.py": "VALUE = 42\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: tinypkg-gw\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in {**files, f"{info}/RECORD": record}.items():
+            z.writestr(name, text)
+    return path
+
+
+@pytest.mark.timeout(180)
+def test_wheelhouse_environment_runs_the_checkout_with_the_wheels_and_nothing_fetched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What --wheelhouse builds on the lent machine: the interpreter's own packages (torch), the
+    wheels installed --no-index, gpuwarden from src/, and its commands beside the interpreter,
+    guarded so that a spawned child re-importing the main script does not run it again."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    tiny_wheel(wheels)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # a rehearsal: any download would fail
+    monkeypatch.setattr(verify_gpu, "NEEDED_MODULES", ("tinypkg_gw", "torch", "no_such_module_gw"))
+    python, info = verify_gpu.prepare_environment(sys.executable, wheels, tmp_path / "env")
+    assert info["wheels"] == ["tinypkg_gw-1.0-py3-none-any.whl"]
+    assert [m.split()[0] for m in info["missing_modules"]] == ["no_such_module_gw"]
+    done = subprocess.run([python, "-c", "import gpuwarden, tinypkg_gw, torch; "
+                           "print(gpuwarden.__file__, tinypkg_gw.VALUE)"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [str(ROOT / "src" / "gpuwarden" / "__init__.py"), "42"]
+    bin_dir = Path(python).parent
+    listing = subprocess.run([str(bin_dir / "gpuwarden"), "ls", "--simulate", "two-idle"],
+                             capture_output=True, text=True)
+    assert listing.returncode == 0 and "2 GPU(s)" in listing.stdout, listing.stderr
+    # A spawn child imports the main script as __mp_main__: the shim must then do nothing.
+    child = subprocess.run([python, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], "
+                            "run_name='__mp_main__'); print('imported only')",
+                            str(bin_dir / "gpuwarden")], capture_output=True, text=True)
+    assert child.stdout.strip() == "imported only", child.stdout + child.stderr

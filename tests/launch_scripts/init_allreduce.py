@@ -13,7 +13,7 @@ unclosed_log = open(os.path.join(os.environ["UNCLOSED_LOG_DIR"], f"rank{os.envir
 unclosed_log.write("written without close\n")
 info = gdist.init()
 assert gdist.init() is info  # idempotent
-t = torch.tensor([float(info.rank + 1)])
+t = torch.tensor([float(info.rank + 1)], device=info.device)  # NCCL moves GPU tensors only
 dist.all_reduce(t)
 print(f"rank {info.rank}/{info.world_size} local {info.local_rank} {info.device} {info.backend} "
       f"launcher={info.launcher} sum={t.item():g}")
