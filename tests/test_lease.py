@@ -563,3 +563,36 @@ def test_a_scan_by_another_thread_while_a_record_is_made_leaves_its_lock_held(
         assert [r.record_id for r in records.scan(directory).records] == [ticket.record.record_id]
     finally:
         ticket.remove()
+
+
+def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path) -> None:
+    """Users are taken in turn: when the time budget ends a scan (after its first 64 records), a
+    user whose uid sorts late is not left out behind another user's pile of records. And a
+    scan that starts already out of time still looks at its first 64 new names."""
+    from gpuwarden.lease import records
+    from tests._lease_util import kept_in_child
+
+    directory = tmp_path / "leases"
+    directory.mkdir()
+    dead = records.this_process("holder", "gone")
+    for _ in range(100):  # root's: the records of processes that have ended (no lock held)
+        (directory / records.record_name("holder", records.new_token())).write_text(
+            json.dumps(dead.content()))
+
+    def waiting() -> object:
+        return records.OwnedRecord(directory, records.this_process("ticket", "late",
+                                                                   gpus_wanted=1))
+
+    with kept_in_child(waiting):
+        [ticket] = [p for p in directory.iterdir() if p.name.startswith(records.TICKET_PREFIX)]
+        os.chown(ticket, 54321, 54321)  # another user's request (root may give it away)
+        scanner = records.Scanner(directory)
+        scanner.scan()  # the names are known now (lstat once per name): the next scan opens
+        result = scanner.scan(budget_s=0.0)
+        assert not result.complete, (result.corrupt, result.left_out)
+        assert [r.uid for r in result.records] == [54321], (result.corrupt, result.left_out)
+    ticket_only = tmp_path / "fresh"
+    ticket_only.mkdir()
+    with kept_in_child(lambda: records.OwnedRecord(ticket_only, records.this_process(
+            "ticket", "new", gpus_wanted=1))):
+        assert len(records.Scanner(ticket_only).scan(budget_s=0.0).records) == 1

@@ -56,8 +56,9 @@ CHECKS_PER_USER = 128  # record files of one user opened in one scan (oldest fir
 RECORDS_PER_USER = 64  # live records of one user kept in one scan
 MAX_CHECKS = 4096  # record files opened in one scan, every user together
 SCAN_BUDGET_S = 0.25  # a scan stops here and says it saw only part of the directory
-# ...but not before it opened this many records: a small directory is always read whole, so a
-# pause of the scanning process (a loaded box, a GC) never hides an earlier request from it.
+# ...but not before it looked at (lstat) and opened this many records: a small directory is
+# always read whole, so a pause of the scanning process (a loaded box, a GC) never hides an
+# earlier request from it.
 MIN_CHECKS = 64
 NEW_NAMES_PER_SCAN = 2048  # record names seen for the first time that one scan looks at
 STALE_AGE_S = 0.0  # our own unlocked record this old is deleted by a scan (under the mutex)
@@ -395,7 +396,9 @@ class Scanner:
         for name, ino, entry in candidates:
             known = previous.get(name)
             if known is None or known.ino != ino:
-                if new_left <= 0 or (not new_left & 255 and time.monotonic() > deadline):
+                looked = NEW_NAMES_PER_SCAN - new_left  # the clock is read every 64, from 64 on
+                if new_left <= 0 or (looked >= MIN_CHECKS and not looked % MIN_CHECKS
+                                     and time.monotonic() > deadline):
                     result.complete = False
                     continue
                 new_left -= 1
