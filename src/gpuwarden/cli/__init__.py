@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, NoReturn
 from gpuwarden import __version__
 from gpuwarden.errors import EXIT_FAILURE, EXIT_USAGE, GpuwardenError
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`
+
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
 
@@ -51,6 +53,13 @@ class CliParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         from gpuwarden.errors import UsageError
 
+        lead = "the following arguments are required: "
+        if message.startswith(lead):
+            # argparse lists a REMAINDER positional (launch's ARGS) as required: it is not
+            optional = {a.metavar or a.dest for a in self._actions
+                        if not a.option_strings and a.nargs in (argparse.REMAINDER, "*", "?")}
+            names = [n for n in message[len(lead):].split(", ") if n not in optional]
+            message = lead + ", ".join(names)
         raise UsageError(f"{self.prog}: {message}", fix=f"`{self.prog} --help` lists every option")
 
 
@@ -144,6 +153,10 @@ def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
     except KeyboardInterrupt:  # commands that wait say what they were doing; this is the rest
         print("gpuwarden: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gpuwarden ls --watch 1 | head -3`): a quiet end, with the exit
+        # status of a process SIGPIPE stopped, as `yes | head` gives.
+        return EXIT_BROKEN_PIPE
     except MemoryError:
         # gpuwarden's own process hit its memory limit (ulimit -v, a cgroup's memory.max):
         # a report, not a traceback. What it started was stopped on the way out (launch's
@@ -188,4 +201,12 @@ def inventory_of(args: argparse.Namespace) -> Inventory:
 
 
 def console_main() -> None:
-    sys.exit(main())
+    code = main()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = EXIT_BROKEN_PIPE
+    if code == EXIT_BROKEN_PIPE:
+        # Python flushes stdout once more at exit, and would print a BrokenPipeError then.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(code)
