@@ -514,3 +514,40 @@ def test_stacks_and_status_without_any_job(capsys: pytest.CaptureFixture[str], t
 def test_main_thread_of_a_recorded_dump() -> None:
     # the sampler's own thread is never shown as the script's
     assert [f.func for f in main_thread(parse_dump(_dump(SLEEPING)))] == ["<module>"]
+
+
+def _status_doc() -> dict:
+    job = {"id": "812345", "user": "a-long-user-name", "kind": "launch", "age_s": 3725.0,
+           "gpus": [{"index": 0}, {"index": 1}], "mine": True,
+           "command": "gpuwarden launch -n 2 train.py --epochs 90 --lr 3e-4 --data /datasets/x",
+           "launch": {"target": "train.py", "run_id": "r1", "node_rank": 0, "nnodes": 1,
+                      "attempt": 0, "max_restarts": 0, "uptime_s": 61.0,
+                      "sample_interval_s": 1.0, "stall": {}, "ranks": [
+                          {"rank": r, "pid": 987654 + r, "gpu": r, "phase": "collective",
+                           "op": "allreduce", "for_s": 1.5, "cpu_cores": 0.98,
+                           "gpu_memory_bytes": 3 << 30, "where": "train.py:42 in step"}
+                          for r in (0, 1)]}}
+    return {"host": "box-a", "generated_at": 0.0, "jobs": [job]}
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_status_keeps_every_id_whole_and_its_titles_on_their_own_lines(width: int) -> None:
+    """At 60 columns JOB, USER, AGE and GPUS shrank to nothing and pids read `9…`: the id that
+    `stacks` needs was lost. Columns now go whole (least needed first); ids are never cut, no
+    line is wider than the terminal, and at 200 columns a title is not wrapped at the table."""
+    import io
+
+    from rich.console import Console
+
+    from gpuwarden.cli.status import build_view, to_rich
+
+    sections = build_view(_status_doc())
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(to_rich(sections, width))
+    text = out.getvalue()
+    assert all(len(line) <= width for line in text.splitlines()), text
+    assert "812345" in text and "987654" in text and "987655" in text, text
+    if width == 200:
+        assert sections[1].title in text.splitlines(), text
+    # rank 0 runs on GPU 0, which is not "no GPU" (it read "cpu")
+    assert [r[2] for r in sections[1].rows] == ["0", "1"]
