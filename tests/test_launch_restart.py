@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.restart import (
+from gpuwarden.launch.restart.policy import (
     Failure,
     RestartPolicy,
     decide_restart,

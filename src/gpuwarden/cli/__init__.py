@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
     """
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["launch"]:  # several nodes: the node agent's torch import starts first
-        from gpuwarden.launch import node_agent
+        from gpuwarden.launch.multinode import node_agent
 
         node_agent.start_early(words)
     try:

@@ -415,7 +415,7 @@ def _slurm(rdzv: dict[str, Any]) -> Any:
     the node count, this node's index (static), node 0's address and port (static), and the
     job's hosts, which waits name when a node is missing. Updates ``rdzv``; Slurm's settings
     (None outside Slurm)."""
-    from gpuwarden.launch.slurm import slurm_settings
+    from gpuwarden.launch.multinode.slurm import slurm_settings
 
     dynamic = rdzv["backend"] == "c10d"
     wants = rdzv["nnodes"] is None or (not dynamic and (
@@ -469,7 +469,7 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.launch import node_agent
+    from gpuwarden.launch.multinode import node_agent
 
     config = config_from_args(args)
     agent = None

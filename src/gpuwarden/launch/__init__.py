@@ -20,7 +20,7 @@
 
 Rank side (run inside each rank, standard library only, nothing of torch replaced):
 
-    _bootstrap.py    ``python -m gpuwarden.launch._bootstrap SCRIPT``: runs it as python does
+    _bootstrap.py    ``python -m gpuwarden.launch.ranks._bootstrap SCRIPT``: runs it as python does
     _store_watch.py  multi-node: arrivals and abort on the workers' c10d TCPStore
 
 Importing this package is cheap and never imports torch: the supervisor must start fast and

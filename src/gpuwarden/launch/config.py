@@ -62,7 +62,7 @@ class LaunchConfig:
     wait_s: float | None = None
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     keep_waiting: bool = False
-    straggler_note: bool = True  # one stderr line when a straggler persists (launch/straggler.py)
+    straggler_note: bool = True  # one stderr line when a straggler persists (launch/watch/straggler.py)
     grace_s: float = DEFAULT_GRACE_S
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None
@@ -86,7 +86,7 @@ class LaunchConfig:
     expected_hosts: tuple[str, ...] = ()
     role: str = "default"
     max_restarts: int = 0
-    # --max-restarts' policy (launch/restart.py): "auto" decides from the failure, "always" is
+    # --max-restarts' policy (launch/restart/policy.py): "auto" decides from the failure, "always" is
     # torchrun's; the backoff is the wait between an attempt's end and the next one's start.
     restart_on: str = "auto"
     restart_backoff_s: float = 1.0
@@ -182,7 +182,7 @@ def _validate(c: LaunchConfig) -> None:
                          "resolves a relative path against wherever that process stands",
                          fix=f"--run-path {os.path.abspath(c.target)}")
     _validate_signals(c.signals_to_handle)
-    from gpuwarden.launch.relay import parse_std_spec
+    from gpuwarden.launch.ranks.relay import parse_std_spec
 
     parse_std_spec(c.redirects, what="--redirects")
     parse_std_spec(c.tee, what="--tee")

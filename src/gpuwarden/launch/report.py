@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.findings import Finding, Section, Severity, render_plain
-from gpuwarden.launch.stall import Stall, main_thread_frames
 from gpuwarden.launch.supervisor import RankExit, RunOutcome
+from gpuwarden.launch.watch.stall import Stall, main_thread_frames
 from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
 from gpuwarden.safetext import escape_untrusted
 
@@ -164,7 +164,7 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
 
 
 def _job_by() -> str:
-    from gpuwarden.launch.job_store import LAUNCHER_ID
+    from gpuwarden.launch.multinode.job_store import LAUNCHER_ID
 
     return LAUNCHER_ID
 
@@ -221,7 +221,7 @@ def _node_aborted_report(outcome: RunOutcome) -> LaunchReport:
 def _job_failure_report(outcome: RunOutcome, rec: dict[str, Any]) -> LaunchReport:
     """Another node's failure is the job's first (job_store.py): named as every node names it;
     this node's own failures are listed as its echoes, or as failures that came after it."""
-    from gpuwarden.launch import job_store
+    from gpuwarden.launch.multinode import job_store
 
     plan = outcome.plan
     kind = rec.get("kind")

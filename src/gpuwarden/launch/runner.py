@@ -1,5 +1,5 @@
 """One launch end to end: take GPUs → choose the port → plan → supervise → report
-(with ``--max-restarts``, again per attempt: launch/attempts.py).
+(with ``--max-restarts``, again per attempt: launch/restart/attempts.py).
 
 The GPUs (a lease, when the lease manager is installed) are held here, in the supervising
 process, for as long as ranks run; ranks never inherit the lease's file descriptors
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, TextIO
 
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.job_store import JobRound, Settled, job_history
-from gpuwarden.launch.node_agent import AgentError, NodeAgent, Round
+from gpuwarden.launch.multinode.job_store import JobRound, Settled, job_history
+from gpuwarden.launch.multinode.node_agent import AgentError, NodeAgent, Round
 from gpuwarden.launch.plan import LaunchPlan, make_plan, rank_count
 from gpuwarden.launch.preflight import choose_port, take_gpus
-from gpuwarden.launch.relay import needs_log_files
+from gpuwarden.launch.ranks.relay import needs_log_files
 from gpuwarden.launch.report import LaunchReport, build_report, stall_report
-from gpuwarden.launch.restart import Failure, RestartPolicy
+from gpuwarden.launch.restart.policy import Failure, RestartPolicy
 from gpuwarden.launch.supervisor import RunOutcome, Stall, Supervisor
 
 # How long the node hosting the job's store keeps it up, at most, for nodes still ending (each
@@ -35,7 +35,7 @@ _DONE_WAIT_S = 300.0
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
-    from gpuwarden.launch.rendezvous import RendezvousPreflight
+    from gpuwarden.launch.multinode.rendezvous import RendezvousPreflight
 
 
 def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
@@ -60,7 +60,7 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
         if config.multinode:
             # First thing: the agent's torch import overlaps the preflight and the GPU lease.
             agent = agent or NodeAgent.start()
-            from gpuwarden.launch.rendezvous import check_rendezvous
+            from gpuwarden.launch.multinode.rendezvous import check_rendezvous
 
             # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
             pre = check_rendezvous(config, dict(os.environ), err=err)
@@ -90,7 +90,7 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
 
         if not config.max_restarts:
             return run_attempt(0, 0, taken.gpus, tuple(notes))
-        from gpuwarden.launch.attempts import run_attempts
+        from gpuwarden.launch.restart.attempts import run_attempts
 
         return run_attempts(config, taken.gpus, run_attempt, tuple(notes), err=err)
     finally:
@@ -124,8 +124,8 @@ class _MultiNode:
     def run(self, gpus: tuple[GPUSnapshot, ...], notes: list[str], stdout: TextIO | None,
             stderr: TextIO | None, work: str, log_run_dir: str | None,
             argv: tuple[str, ...] | None) -> tuple[LaunchReport, RunOutcome]:
-        from gpuwarden.launch.attempts import run_attempts
-        from gpuwarden.launch.rendezvous import connect
+        from gpuwarden.launch.multinode.rendezvous import connect
+        from gpuwarden.launch.restart.attempts import run_attempts
 
         config = self.config
         self.hosting = connect(self.agent, config, self.pre, run_id=self.run_id,
@@ -133,7 +133,7 @@ class _MultiNode:
 
         def run_attempt(attempt: int, restarts: int, gpus: tuple[GPUSnapshot, ...],
                         notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
-            from gpuwarden.launch.rendezvous import join_round
+            from gpuwarden.launch.multinode.rendezvous import join_round
 
             previous = self.round.nodes if self.round is not None else ()
             # As torch's: the join has its own join_timeout, whatever the wait for the
@@ -178,7 +178,7 @@ class _MultiNode:
     def settle(self, report: LaunchReport, outcome: RunOutcome, policy: RestartPolicy,
                local: Callable[[], Failure]) -> Settled | None:
         """This round's end for the whole job; None when the job succeeded here."""
-        from gpuwarden.launch import job_store
+        from gpuwarden.launch.multinode import job_store
 
         assert self.job is not None and self.round is not None
         restarts, history = job_history(self.round)

@@ -32,26 +32,27 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gpuwarden.launch import control, flight_recorder
 from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
-from gpuwarden.launch.pcontext import ProcessContext
-from gpuwarden.launch.placement import pids_of, render_warning, watch_for
+from gpuwarden.launch.observer import control
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
-from gpuwarden.launch.relay import JobRelay, RankRelay, RankStdio
-from gpuwarden.launch.sampler import RankSampler, make_request_fifo, sample_interval
-from gpuwarden.launch.stall import (
+from gpuwarden.launch.ranks.pcontext import ProcessContext
+from gpuwarden.launch.ranks.relay import JobRelay, RankRelay, RankStdio
+from gpuwarden.launch.ranks.torch_errors import TorchError, read_torch_error
+from gpuwarden.launch.watch import flight_recorder
+from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
+from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
+from gpuwarden.launch.watch.stall import (
     RankView,
     Stall,
     current_wait,
     decide_stall,
     main_thread_frames,
 )
-from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_paths
-from gpuwarden.launch.straggler import Straggler, decide_straggler
-from gpuwarden.launch.torch_errors import TorchError, read_torch_error
+from gpuwarden.launch.watch.status import Phase, RankStatus, StatusReader, sample_paths
+from gpuwarden.launch.watch.straggler import Straggler, decide_straggler
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.job_store import JobRound
+    from gpuwarden.launch.multinode.job_store import JobRound
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
@@ -181,11 +182,11 @@ class Supervisor:
         self._peer_mtimes: dict[int, float] = {}
         self._peer_states: dict[int, dict[str, Any]] = {}
         self._started = 0.0  # monotonic, set by run()
-        # `gpuwarden status` / `stacks` (launch/control.py): their requests run in this loop.
+        # `gpuwarden status` / `stacks` (launch/observer/control.py): their requests run in this loop.
         self.calls = control.LoopCalls()
         self._sel.register(self.calls.fileno(), selectors.EVENT_READ, self.calls)
         self._control: control.ControlServer | None = None
-        self.straggler: Straggler | None = None  # the latest verdict (launch/straggler.py)
+        self.straggler: Straggler | None = None  # the latest verdict (launch/watch/straggler.py)
         self._straggler_since: float | None = None
         self._straggler_said = False
 
@@ -422,7 +423,7 @@ class Supervisor:
 
     def _local_record(self) -> dict[str, Any]:
         """This node's first failure as a record for the job's store (job_store.py)."""
-        from gpuwarden.launch import job_store
+        from gpuwarden.launch.multinode import job_store
 
         failed = []
         for r in self.ranks:

@@ -4,7 +4,7 @@ It holds only what the bootstrap itself knows without touching torch: the script
 stack signal's handler is armed), finished, or failed (an uncaught exception, recorded before
 the interpreter's slow teardown, so the supervisor stops the other ranks at once). Where a rank
 *is* (init, a collective, computing) is not recorded here: the supervisor samples it from
-outside (``launch/stall.py``). A generation counter makes a read that raced a write visible
+outside (``launch/watch/stall.py``). A generation counter makes a read that raced a write visible
 (odd while writing, or changed across the read), and the reader retries. Times are
 CLOCK_MONOTONIC, one clock for every process of a Linux host.
 """

@@ -1,4 +1,4 @@
-"""The launcher's side of the node agent (:mod:`gpuwarden.launch._node_agent`): standard library
+"""The launcher's side of the node agent (:mod:`gpuwarden.launch.multinode._node_agent`): standard library
 only, so the launcher still never imports torch.
 
 Every multi-node launch starts one agent process, first thing (torch's import then overlaps the
@@ -137,7 +137,7 @@ class NodeAgent:
             # Its own session: a Ctrl-C is the launcher's to handle (it tells the agent). It
             # arms PDEATHSIG itself, first thing, and exits if the launcher is already gone.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuwarden.launch._node_agent"],
+                [sys.executable, "-m", "gpuwarden.launch.multinode._node_agent"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, env=child_env,
                 close_fds=True, start_new_session=True)
         return cls(proc, stderr_path)

@@ -456,7 +456,7 @@ def command_line() -> str:
 def serve(sup: Any) -> ControlServer | None:
     """The endpoint of a supervisor (``launch/supervisor.py``), or None when it cannot be made
     (no usable runtime directory, no room for a socket): the job runs the same without it."""
-    from gpuwarden.launch.observe import JobObserver
+    from gpuwarden.launch.observer.observe import JobObserver
 
     plan = sup.plan
     record = {

@@ -1,4 +1,4 @@
-"""The attempt loop of ``--max-restarts``: run, diagnose, decide (launch/restart.py), back off,
+"""The attempt loop of ``--max-restarts``: run, diagnose, decide (launch/restart/policy.py), back off,
 run again, on the GPUs leased once for the whole job.
 
 As torchrun, a restart stops and starts the whole group: every rank of the failed attempt has
@@ -23,11 +23,11 @@ from gpuwarden.errors import GpuwardenError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.report import LaunchReport
-from gpuwarden.launch.restart import Failure, RestartPolicy, decide_restart, failure_of
+from gpuwarden.launch.restart.policy import Failure, RestartPolicy, decide_restart, failure_of
 from gpuwarden.launch.supervisor import RunOutcome
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.job_store import Settled
+    from gpuwarden.launch.multinode.job_store import Settled
     from gpuwarden.lease.manager import Grant
 
 # (attempt index on this node, restarts the job used, GPUs, notes) -> the attempt's report

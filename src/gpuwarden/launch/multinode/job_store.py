@@ -4,7 +4,7 @@ Every node of a multi-node job runs its own launcher, and each sees its own rank
 that raised on node 1, and on node 0 the echoes of it (gloo's ``Connection closed by peer``, a
 watchdog timeout). Deciding per node lets the nodes disagree: node 0 restarts on the echo while
 node 1 ends on "the same failure twice", and each names another cause. Here nothing is decided
-per node. Through the node agent (:mod:`gpuwarden.launch.node_agent`) every launcher uses these
+per node. Through the node agent (:mod:`gpuwarden.launch.multinode.node_agent`) every launcher uses these
 keys, in the store torch's rendezvous runs on (it lives as long as the job):
 
 - ``r<round>/failure``: the round's **first failure**, compare-set, so the first writer wins.
@@ -17,7 +17,7 @@ keys, in the store torch's rendezvous runs on (it lives as long as the job):
 - ``r<round>/decision``: what the job does next. The record carries everything the restart
   policy reads (the failure code, from ``explain`` over the rank's own error; the rank; the
   exception's type and innermost frame, or the signal), so every node decides from it alone,
-  with the same pure :func:`~gpuwarden.launch.restart.decide_restart`, without waiting for
+  with the same pure :func:`~gpuwarden.launch.restart.policy.decide_restart`, without waiting for
   another; compare-set keeps the first decision stored and every node follows it: the failure
   in the words every node prints, the decision and its reason, and the job's restart history.
 - ``job``: the restarts used so far and their failures (for "same failure twice"), read by
@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpuwarden.launch.node_agent import NODE_LOST_S, AgentError, NodeAgent, Round
-from gpuwarden.launch.restart import (
+from gpuwarden.launch.multinode.node_agent import NODE_LOST_S, AgentError, NodeAgent, Round
+from gpuwarden.launch.restart.policy import (
     EXCLUDE_GPU_CODES,
     Decision,
     Failure,
@@ -49,7 +49,7 @@ from gpuwarden.launch.restart import (
 
 if TYPE_CHECKING:
     from gpuwarden.launch.report import LaunchReport
-    from gpuwarden.launch.stall import Stall
+    from gpuwarden.launch.watch.stall import Stall
 
 ECHO_WAIT_S = 2.0  # a node whose ranks only echoed waits this long for a real cause first
 # Kinds of first-failure records
@@ -84,7 +84,7 @@ def local_record(node: int, failed: list[RankFailure], *, interrupt: str | None,
     restart policy reads (the code, from explain over the rank's own error text; the rank; the
     exception type and innermost frame, or the signal), so every node decides alike from it."""
     from gpuwarden.launch.report import ECHO_TEXT
-    from gpuwarden.launch.restart import innermost_frame
+    from gpuwarden.launch.restart.policy import innermost_frame
     from gpuwarden.procs import describe_exit, signal_name
 
     if interrupt is not None:
@@ -193,7 +193,7 @@ def failure_from_dict(data: dict[str, Any]) -> Failure:
 
 def failure_of_record(rec: dict[str, Any]) -> Failure:
     """The Failure a node decides from when only the record is known (its writer is gone)."""
-    from gpuwarden.launch.restart import _EXC_TYPE
+    from gpuwarden.launch.restart.policy import _EXC_TYPE
 
     kind = rec.get("kind")
     what = str(rec.get("what", ""))
