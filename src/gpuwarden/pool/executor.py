@@ -346,7 +346,7 @@ class GPUPool(Executor):
         if gpus == 0:
             # An explicit CPU pool, whatever the host has: no NVML read, no lease, no warning.
             return TakenGPUs((), _no_release)
-        from gpuwarden.lease.manager import make_request
+        from gpuwarden.lease.grant import make_request
 
         # make_request validates and parses min_free (str or int) as every lease does.
         min_free_bytes = make_request(1, min_free=min_free).constraints.min_free_bytes

@@ -91,7 +91,7 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
     count is the lease manager's answer for ``gpus="auto"``, the one ``take_gpus`` acts on,
     under the pool's own ``min_free``/``allow_shared``.
     """
-    from gpuwarden.lease.manager import make_request
+    from gpuwarden.lease.grant import make_request
     from gpuwarden.pool.gpus import usable_gpu_count
 
     settings = _settings_key(pool_kwargs)

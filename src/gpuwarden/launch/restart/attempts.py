@@ -28,7 +28,7 @@ from gpuwarden.launch.supervisor import RunOutcome
 
 if TYPE_CHECKING:
     from gpuwarden.launch.multinode.job_store import Settled
-    from gpuwarden.lease.manager import Grant
+    from gpuwarden.lease.grant import Grant
 
 # (attempt index on this node, restarts the job used, GPUs, notes) -> the attempt's report
 RunAttempt = Callable[[int, int, tuple[GPUSnapshot, ...], tuple[str, ...]],
