@@ -37,8 +37,9 @@ from joblib._parallel_backends import (
 )
 from joblib.parallel import register_parallel_backend
 
-from gpuwarden._joblib_hook import BACKEND_NAME
 from gpuwarden.pool.plan import WORKER_ENV
+
+BACKEND_NAME = "gpuwarden"  # Parallel(backend="gpuwarden"); registered by gpuwarden/_joblib_hook.py
 
 if TYPE_CHECKING:
     # Loaded on the first Parallel call: registering the backend costs no executor import.
