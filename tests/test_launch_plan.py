@@ -12,10 +12,10 @@ import pytest
 from gpuwarden.distributed import WorldEnv, choose_device, detect_world
 from gpuwarden.errors import ConstraintError, GpuwardenError, PortInUseError, UsageError
 from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.launch.outcome import RankExit
 from gpuwarden.launch.plan import make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
 from gpuwarden.launch.report import root_cause
-from gpuwarden.launch.supervisor import RankExit
 from gpuwarden.launch.watch.stall import main_thread_frames
 from gpuwarden.launch.watch.status import Phase, StatusReader, StatusWriter
 from gpuwarden.nodelist import expand_nodelist, first_host

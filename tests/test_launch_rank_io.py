@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.cli import main
+from gpuwarden.launch.ranks.exit_records import parse_torch_error, read_torch_error
 from gpuwarden.launch.ranks.relay import Console, StreamRelay
-from gpuwarden.launch.ranks.torch_errors import parse_torch_error, read_torch_error
 from gpuwarden.launch.watch import flight_recorder
 from tests.conftest import SCENARIOS
 

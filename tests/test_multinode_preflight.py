@@ -374,7 +374,8 @@ def test_the_first_failure_and_the_decision_are_the_jobs(monkeypatch: pytest.Mon
     would have decided alone."""
     from gpuwarden.launch.multinode import job_store
     from gpuwarden.launch.multinode.node_agent import Round
-    from gpuwarden.launch.restart.policy import Failure, RestartPolicy
+    from gpuwarden.launch.outcome import Failure
+    from gpuwarden.launch.restart.policy import RestartPolicy
 
     store: dict[str, str] = {}
     policy = RestartPolicy(3)

@@ -31,8 +31,8 @@ from gpuwarden.launch.observer.observe import (
     rank_row,
     stack_record,
 )
+from gpuwarden.launch.outcome import PeerView
 from gpuwarden.launch.ranks._bootstrap import MAX_DUMP_FRAMES, _sampling_loop, format_stacks
-from gpuwarden.launch.supervisor import PeerView
 from gpuwarden.launch.watch.stall import Frame, RankView, Sample, main_thread, parse_dump
 from gpuwarden.launch.watch.straggler import decide_straggler
 

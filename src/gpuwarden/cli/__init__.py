@@ -113,14 +113,14 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
     """
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["launch"]:  # several nodes: the node agent's torch import starts first
-        from gpuwarden.launch.multinode import node_agent
+        from gpuwarden.launch.multinode import early
 
-        node_agent.start_early(words)
+        early.start_early(words)
     try:
         return _main(argv, inventory)
     finally:
         if words[:1] == ["launch"]:
-            node_agent.discard_early()
+            early.discard_early()
 
 
 def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:

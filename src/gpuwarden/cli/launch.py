@@ -469,14 +469,15 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.launch.multinode import node_agent
-
     config = config_from_args(args)
     agent = None
     if config.multinode:
+        from gpuwarden.launch.multinode.early import take_early
+        from gpuwarden.launch.multinode.node_agent import NodeAgent
+
         # Several nodes: torch's rendezvous runs in the node agent, whose torch import is the
         # longest step before the ranks start; `gpuwarden launch` started it before parsing.
-        agent = node_agent.take_early() or node_agent.NodeAgent.start()
+        agent = take_early() or NodeAgent.start()
     from gpuwarden.cli import inventory_of
     from gpuwarden.launch.runner import launch
 

@@ -27,10 +27,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuwarden.boundedio import read_json_object
 from gpuwarden.launch.watch.stall import (
     IDLE_CPU_CORES,
     Frame,
@@ -43,7 +44,12 @@ from gpuwarden.launch.watch.stall import (
 )
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.supervisor import PeerView, Supervisor
+    from gpuwarden.launch.outcome import PeerView
+    from gpuwarden.launch.supervisor import Supervisor
+
+# Hands a function to the supervisor's loop and returns what it returned there
+# (``control.LoopCalls.call``): the loop owns the job's state.
+InLoop = Callable[[Callable[[float], Any]], Any]
 
 SNAPSHOT_SCHEMA = 1
 FRESH_WAIT_S = 1.0  # a rank's sampling thread answers in milliseconds unless the GIL is held
@@ -293,13 +299,13 @@ def _flight_records(run_dir: str, wait_s: float) -> dict[int, list[dict[str, Any
 class JobObserver:
     """Answers ``status`` and ``stacks`` for one supervisor (in the endpoint's threads)."""
 
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: Supervisor, in_loop: InLoop) -> None:
         self.sup = sup
+        self.in_loop = in_loop
         self._asking = threading.Lock()  # one round of FIFO questions at a time
 
     def snapshot(self) -> JobSnapshot:
-        calls = self.sup.calls
-        snap: JobSnapshot = calls.call(lambda now: build_snapshot(self.sup, now))
+        snap: JobSnapshot = self.in_loop(lambda now: build_snapshot(self.sup, now))
         return snap
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -367,15 +373,13 @@ def _merge_other_nodes(answer: dict[str, Any], snap: JobSnapshot, request_id: st
                        peers: PeerView | None) -> None:
     nnodes = int(snap.public["nnodes"])
     me = int(snap.public["node_rank"])
-    from gpuwarden.launch.supervisor import _read_json
-
     # Waited for even while the watch is not connected yet: right after init_process_group the
     # script runs ahead of the watch's own connection (and of the supervisor's next look at it),
     # and a request written before the relay starts is still answered at its first poll.
     got: dict[str, Any] = {}
     path = snap.peers_file + ANSWER_SUFFIX
     while time.monotonic() < deadline:
-        data = _read_json(path)
+        data = read_json_object(path)
         if data is not None and data.get("id") == request_id:
             nodes = data.get("nodes")
             got = nodes if isinstance(nodes, dict) else {}

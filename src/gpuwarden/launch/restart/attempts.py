@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING, TextIO
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.report import LaunchReport
-from gpuwarden.launch.restart.policy import Failure, RestartPolicy, decide_restart, failure_of
-from gpuwarden.launch.supervisor import RunOutcome
+from gpuwarden.launch.outcome import Failure, LaunchReport, RunOutcome, Settled
+from gpuwarden.launch.restart.policy import RestartPolicy, decide_restart, failure_of
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.multinode.job_store import Settled
     from gpuwarden.lease.grant import Grant
 
 # (attempt index on this node, restarts the job used, GPUs, notes) -> the attempt's report
@@ -35,7 +33,7 @@ RunAttempt = Callable[[int, int, tuple[GPUSnapshot, ...], tuple[str, ...]],
                       tuple[LaunchReport, RunOutcome]]
 # Several nodes: the job's settlement of an attempt (job_store.py), None when it succeeded
 Settle = Callable[[LaunchReport, RunOutcome, RestartPolicy, Callable[[], Failure]],
-                  "Settled | None"]
+                  Settled | None]
 
 
 def run_attempts(config: LaunchConfig, gpus: tuple[GPUSnapshot, ...], run_attempt: RunAttempt,
