@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported here at run time: see gpuwarden/__init__.py
+if TYPE_CHECKING:
+    from typing import Any
 
 _TARGET = "joblib.parallel"
 

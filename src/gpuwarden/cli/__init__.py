@@ -10,7 +10,6 @@ input, 3 no GPU/NVML where one is required, 4 constraint not met.
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import sys
@@ -75,6 +74,8 @@ def nearest_option(flag: str, options: Iterable[str], aliases: Mapping[str, str]
             best, best_len = option, shared
     if best is not None and best_len >= min(4, len(typed), len(norm(best))):
         return best
+    import difflib  # only for a mistyped flag
+
     close = difflib.get_close_matches(typed, [norm(o) for o in longs], n=1, cutoff=0.6)
     return next((o for o in longs if close and norm(o) == close[0]), None)
 
@@ -86,7 +87,9 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``gpuwarden`` parser; ``only``: a command line that names this subcommand needs no
+    other, and their modules are not imported (``gpuwarden launch`` starts faster)."""
     parser = CliParser(
         prog="gpuwarden",
         description="CUDA that works across processes: GPU inventory and selection through NVML, "
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in COMMANDS if only is None else (only,):
         module = importlib.import_module(f"gpuwarden.cli.{name.replace('-', '_')}")
         module.add_parser(sub)
     return parser
@@ -124,7 +127,8 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
 
 
 def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help/--version exit 0

@@ -415,6 +415,8 @@ def _slurm(rdzv: dict[str, Any]) -> Any:
     the node count, this node's index (static), node 0's address and port (static), and the
     job's hosts, which waits name when a node is missing. Updates ``rdzv``; Slurm's settings
     (None outside Slurm)."""
+    if not (os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")):
+        return None  # not in an allocation (slurm_settings says the same)
     from gpuwarden.launch.multinode.slurm import slurm_settings
 
     dynamic = rdzv["backend"] == "c10d"
@@ -494,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"gpuwarden: {note}", file=sys.stderr)
     try:
-        inventory = inventory_of(args)
+        # --cpu reads no GPU: the default inventory (NVML's module) is not even made
+        inventory = getattr(args, "inventory", None) if config.cpu else inventory_of(args)
     except BaseException:
         if agent is not None:
             agent.close()  # launch() ends it from here on

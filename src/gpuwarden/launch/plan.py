@@ -30,11 +30,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.watch.flight_recorder import recorder_env
 from gpuwarden.visibility import CHILD_ORDER_ENV
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory.snapshot import GPUSnapshot
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,8 @@ def make_plan(
             env["GPUWARDEN_PEERS_FILE"] = files.peers
         mates: tuple[int, ...] = ()
         if gpu is not None:
+            from gpuwarden.launch.watch.flight_recorder import recorder_env
+
             env.update(recorder_env(run_dir, base_env))  # NCCL's flight recorder, for stalls
             env["GPUWARDEN_GPU"] = gpu.label
             if config.bind == "rank":

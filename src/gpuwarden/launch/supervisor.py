@@ -41,7 +41,6 @@ from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
 from gpuwarden.launch.ranks.relay import JobRelay, RankRelay, RankStdio
-from gpuwarden.launch.watch import flight_recorder
 from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
 from gpuwarden.launch.watch.stall import (
@@ -267,9 +266,10 @@ class Supervisor:
                     for r in live:
                         self._signal(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
-        # do not wait for EOF longer than a moment).
+        # do not wait for EOF longer than a moment). Only the ranks' pipes are waited for: the
+        # signal wake-up, the endpoint and the node agent stay registered to the end.
         deadline = time.monotonic() + 0.3
-        while self._sel.get_map() and time.monotonic() < deadline:
+        while self._rank_pipes_open() and time.monotonic() < deadline:
             if not self._pump(0.05):
                 break
 
@@ -449,6 +449,9 @@ class Supervisor:
             self._read_stream(rank, key.fd, is_err)
         return got
 
+    def _rank_pipes_open(self) -> bool:
+        return any(isinstance(key.data, tuple) for key in self._sel.get_map().values())
+
     def _drain(self, rank: _Rank) -> None:
         registered = {k.fd for k in self._sel.get_map().values()}
         for fd, is_err in rank.stdio.reads:
@@ -517,6 +520,8 @@ class Supervisor:
         if stall is None:
             return
         stall.stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
+        from gpuwarden.launch.watch import flight_recorder
+
         stall.flight_records = flight_recorder.summary(self.plan.run_dir)
         self._stall = stall
         if self.config.keep_waiting:

@@ -35,14 +35,12 @@ from __future__ import annotations
 import builtins
 import faulthandler
 import importlib.machinery
-import json
 import os
 import signal
 import sys
 import threading
 import time
 import types
-from typing import Any
 
 from gpuwarden.launch.watch.status import (
     STACK_SIGNAL,
@@ -53,12 +51,19 @@ from gpuwarden.launch.watch.status import (
 )
 from gpuwarden.procs import die_with_parent
 
+TYPE_CHECKING = False  # typing is not imported here at run time: see gpuwarden/__init__.py
+if TYPE_CHECKING:
+    from typing import Any
+
 # threading is imported above, in the main thread, on purpose: imported first by the sampling
 # thread, it would take that thread for the main one, and the interpreter's exit would wait for it.
 _status: StatusWriter | None = None
 # faulthandler writes to these file descriptors from a signal handler for the life of the
 # process; the bootstrap's own module object is kept too (the script replaces __main__).
 _keep_alive: list[Any] = []
+# Several nodes only: the watch of the workers' store (multinode/_store_watch.py), set by _arm.
+# A rank of a one-node job imports none of it.
+_store_watch: types.ModuleType | None = None
 
 
 def _set(phase: Phase) -> None:
@@ -67,7 +72,7 @@ def _set(phase: Phase) -> None:
 
 
 def _arm(env: os._Environ[str] | dict[str, str]) -> None:
-    global _status
+    global _status, _store_watch
     # Importing this module ran gpuwarden/__init__, which puts the joblib-backend finder on
     # sys.meta_path; the script did not ask for gpuwarden: its process gets no import hook,
     # and its own `import gpuwarden` runs the package's __init__ as under torchrun.
@@ -89,9 +94,10 @@ def _arm(env: os._Environ[str] | dict[str, str]) -> None:
     if env.get("GPUWARDEN_STATUS_FILE"):
         _status = StatusWriter(env["GPUWARDEN_STATUS_FILE"])
     if env.get("GPUWARDEN_PEERS_FILE"):
-        from gpuwarden.launch.multinode import _store_watch
+        from gpuwarden.launch.multinode import _store_watch as watch
 
-        _store_watch.start_when_joining(env)
+        _store_watch = watch
+        watch.start_when_joining(env)
     _set(Phase.STARTED)  # only now may the supervisor send the stack signal
 
 
@@ -182,6 +188,7 @@ def _script_traceback(exc: BaseException) -> types.TracebackType | None:
 
 
 def _write_error(path: str, exc: BaseException, tb: types.TracebackType | None) -> None:
+    import json  # here, as traceback: a rank that does not fail imports neither
     import traceback
 
     record = {
@@ -304,17 +311,17 @@ def main(argv: list[str]) -> int:
 
 
 def _finished(code: int) -> None:
-    from gpuwarden.launch.multinode import _store_watch
-
     if code == 0:
         _set(Phase.FINISHED)
-        _store_watch.stop()
+        if _store_watch is not None:
+            _store_watch.stop()
     else:
         _set(Phase.FAILED)
-        _tell_other_nodes(code)
-        # As after a good run: no store traffic (and no watch starting) while the interpreter
-        # finalizes, where torch's C++ objects abort on a thread still using them.
-        _store_watch.stop()
+        if _store_watch is not None:
+            _tell_other_nodes(code)
+            # As after a good run: no store traffic (and no watch starting) while the
+            # interpreter finalizes, where torch's C++ objects abort on a thread still using them.
+            _store_watch.stop()
 
 
 def _tell_other_nodes(code: int) -> None:
@@ -329,6 +336,7 @@ def _tell_other_nodes(code: int) -> None:
                               int(env.get("GPUWARDEN_NODE_RANK", "0")), "pid": os.getpid(),
                               "exit_code": code, "time": time.time()}
     try:
+        import json
         import socket
 
         record["host"] = socket.gethostname()

@@ -16,7 +16,6 @@ import os
 import signal
 import struct
 import time
-from dataclasses import dataclass
 from enum import IntEnum
 
 # gen, phase, phase entered at
@@ -54,10 +53,15 @@ class Phase(IntEnum):
     FAILED = 3  # the script raised, or exited with a non-zero code
 
 
-@dataclass(frozen=True)
 class RankStatus:
-    phase: Phase
-    since: float  # monotonic time the phase was entered
+    """One read of a rank's record. (A plain class, not a dataclass: the rank bootstrap
+    imports this module before the script runs, and dataclasses would cost it ~6 ms.)"""
+
+    __slots__ = ("phase", "since")
+
+    def __init__(self, phase: Phase, since: float) -> None:
+        self.phase = phase
+        self.since = since  # monotonic time the phase was entered
 
 
 class StatusWriter:
