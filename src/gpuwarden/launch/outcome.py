@@ -49,7 +49,7 @@ def echoes(text: str) -> bool:
 @dataclass(frozen=True)
 class TorchError:
     """One rank's torch error file, as torchrun's ``ProcessFailure`` reads it
-    (``ranks/torch_errors.py`` reads the file)."""
+    (``ranks/exit_records.py`` reads the file)."""
 
     path: str
     message: str  # "KeyError: 'lr'"
