@@ -14,7 +14,7 @@ import pytest
 
 from gpuwarden.cli import main
 from gpuwarden.launch import supervisor
-from gpuwarden.launch.pcontext import ProcessContext
+from gpuwarden.launch.ranks.pcontext import ProcessContext
 from gpuwarden.lease import lease, list_leases
 from tests.conftest import SCENARIOS
 

@@ -20,10 +20,9 @@ import pytest
 
 from gpuwarden.cli import main
 from gpuwarden.jobs import gpuwarden_kind
-from gpuwarden.launch import control
-from gpuwarden.launch._bootstrap import MAX_DUMP_FRAMES, _sampling_loop, format_stacks
-from gpuwarden.launch._store_stacks import StackRelay
-from gpuwarden.launch.observe import (
+from gpuwarden.launch.multinode._store_stacks import StackRelay
+from gpuwarden.launch.observer import control
+from gpuwarden.launch.observer.observe import (
     REMOTE_WAIT_S,
     JobSnapshot,
     _ask_other_nodes,
@@ -32,12 +31,13 @@ from gpuwarden.launch.observe import (
     rank_row,
     stack_record,
 )
-from gpuwarden.launch.stall import Frame, RankView, Sample, main_thread, parse_dump
-from gpuwarden.launch.straggler import decide_straggler
-from gpuwarden.launch.supervisor import PeerView
+from gpuwarden.launch.outcome import PeerView
+from gpuwarden.launch.ranks._bootstrap import MAX_DUMP_FRAMES, _sampling_loop, format_stacks
+from gpuwarden.launch.watch.stall import Frame, RankView, Sample, main_thread, parse_dump
+from gpuwarden.launch.watch.straggler import decide_straggler
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
-BOOT = Frame("/src/gpuwarden/launch/_bootstrap.py", 176, "_run_path")
+BOOT = Frame("/src/gpuwarden/launch/ranks/_bootstrap.py", 176, "_run_path")
 SCRIPT = "/job/train.py"
 
 
@@ -194,7 +194,7 @@ def test_rank_phases_from_the_supervisors_samples() -> None:
 
 def _dump(stack: tuple[Frame, ...]) -> str:
     return ("Thread 0x01 (most recent call first):\n"
-            '  File "/src/gpuwarden/launch/_bootstrap.py", line 99 in _sampling_loop\n\n'
+            '  File "/src/gpuwarden/launch/ranks/_bootstrap.py", line 99 in _sampling_loop\n\n'
             "Thread 0x02 (most recent call first):\n"
             + "".join(f'  File "{f.file}", line {f.line} in {f.func}\n' for f in stack))
 
@@ -353,7 +353,7 @@ def test_gpuwarden_commands_are_recognised_in_the_process_table() -> None:
     assert gpuwarden_kind([f"{venv}/python", f"{venv}/gpuwarden", "launch", "-n", "2", "x.py"]) == "launch"
     assert gpuwarden_kind(["python3", "-m", "gpuwarden", "run", "--gpus", "1", "--", "x"]) == "run"
     assert gpuwarden_kind([f"{venv}/gpuwarden", "worker", "tcp://h:8786"]) == "worker"
-    assert gpuwarden_kind(["python", "-u", "-m", "gpuwarden.launch._bootstrap", "x.py"]) is None
+    assert gpuwarden_kind(["python", "-u", "-m", "gpuwarden.launch.ranks._bootstrap", "x.py"]) is None
     assert gpuwarden_kind([f"{venv}/gpuwarden", "status"]) is None
     assert gpuwarden_kind(["python", "train.py", "gpuwarden", "launch"]) is None
     assert gpuwarden_kind(["python3.11", "-X", "dev", "-m", "gpuwarden", "launch", "x"]) == "launch"
