@@ -36,6 +36,8 @@ from gpuwarden.lease import acquire, list_leases  # noqa: E402
 from gpuwarden.select import Constraints  # noqa: E402
 from tests.conftest import SCENARIOS, wait_until_gone  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dask-cluster")]
+
 DASK = str(Path(sys.executable).parent / "dask")
 REPO = Path(__file__).resolve().parents[1]
 

@@ -33,6 +33,8 @@ from gpuwarden.lease import list_leases  # noqa: E402
 from tests.conftest import SCENARIOS, wait_until_gone  # noqa: E402
 from tests.test_dask import dask_env, start_scheduler, stop_process  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 RELEASE_BOUND_S = 5.0
 
 

@@ -59,6 +59,7 @@ def test_without_torch_answers_without_forking_or_importing_torch() -> None:
     assert out == {"safe": True, "probed": False, "safe2": True, "torch_loaded": False}
 
 
+@pytest.mark.slow
 def test_cpu_torch_is_available_leaves_fork_safe_and_a_real_child_agrees() -> None:
     out = run_py("""
         import torch, gpuwarden
@@ -88,6 +89,7 @@ def test_cpu_torch_is_available_leaves_fork_safe_and_a_real_child_agrees() -> No
     assert "not compiled with CUDA" in out["child"]
 
 
+@pytest.mark.slow
 def test_torch_at_fork_registration_is_detected_and_matches_a_real_child() -> None:
     out = run_py("""
         import torch, gpuwarden
@@ -124,6 +126,7 @@ def test_torch_at_fork_registration_is_detected_and_matches_a_real_child() -> No
     assert (grandchild_safe, grandchild_probed, grandchild_poisoned) == (False, False, ["mtia"])
 
 
+@pytest.mark.slow
 def test_stuck_probe_child_is_killed_and_reaped_within_the_timeout() -> None:
     out = run_py("""
         import time, torch

@@ -29,7 +29,7 @@ from tests.conftest import SCENARIOS, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "launch_scripts"
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

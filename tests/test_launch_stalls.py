@@ -29,7 +29,7 @@ SCRIPTS = Path(__file__).parent / "launch_scripts"
 KINDS = str(SCRIPTS / "stall_kinds.py")
 STALL_S = 4.0
 TEARDOWN_ABORT = "terminate called without an active exception"
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,8 @@ joblib = pytest.importorskip("joblib")
 pytest.importorskip("numpy")
 
 HERE = Path(__file__).parent
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("external-suites")]
+
 CPYTHON_START_METHOD = "forkserver"  # the default; spawn passes too (docs/pool.md), at 2x cost
 ORIGINAL = 'PROCESS_BACKENDS = ["multiprocessing", "loky"]'
 PATCHED = 'PROCESS_BACKENDS = ["multiprocessing", "loky", "gpuwarden"]'

@@ -29,7 +29,7 @@ from tests.conftest import SCENARIOS
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "straggler.py")
 GPUWARDEN = str(Path(sys.executable).parent / "gpuwarden")
 STRAGGLER_WITHIN_S = 30.0
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.xdist_group("status-job")]
 
 
 @dataclass

@@ -24,7 +24,8 @@ GPUWARDEN = str(Path(sys.executable).parent / "gpuwarden")
 PORT = 29731
 _reason = unavailable_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
-              pytest.mark.timeout(180)]
+              pytest.mark.timeout(180),
+              pytest.mark.slow, pytest.mark.xdist_group("status-two-nodes")]
 
 
 @dataclass

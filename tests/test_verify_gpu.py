@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import verify_gpu  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 def carrying(run_id: str) -> list[int]:
