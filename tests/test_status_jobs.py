@@ -83,6 +83,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
             time.sleep(0.2)
         assert (d / "first_step").exists(), "the job never took its first step"
         yield j
+        # Checked after the module's tests, whatever their order (a test that stopped the job
+        # would have to run last): every query above ran while it worked.
+        the_job_ends_and_the_ranks_printed_only_their_own_lines(j)
     finally:
         j.stop.touch()
         try:
@@ -112,12 +115,14 @@ def test_status_shows_the_sleeping_rank_out_of_the_collective(job: Job) -> None:
                 3: "collective:all_reduce"}
         return got if got == want else None
 
-    _until("ranks 0, 1, 3 in all_reduce and rank 2 running", phases, 20)
+    _until("ranks 0, 1, 3 in all_reduce and rank 2 running", phases, 60)
     text = subprocess.run([GPUWARDEN, "status", job.id], capture_output=True, text=True,
                           timeout=30).stdout  # piped: plain, once
-    rank2 = next(line for line in text.splitlines() if line.startswith("2 "))
+    rows = [line for line in text.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")]
+    rank2 = next(line for line in rows if line.startswith("2 "))
     assert "running" in rank2 and "straggler.py:" in rank2, text
-    assert sum(" in all_reduce " in line for line in text.splitlines()) == 3, text
+    # rank rows only: once rank 2 is named the straggler, its line says "in all_reduce" too
+    assert sum(" in all_reduce " in line for line in rows) == 3, text
 
 
 def test_stacks_groups_the_waiting_ranks_and_shows_the_odd_one(job: Job) -> None:
@@ -289,8 +294,12 @@ def test_a_run_lease_is_listed_with_its_gpu(tmp_path: Path) -> None:
         run.communicate(timeout=20)
 
 
-def test_the_job_ends_and_the_ranks_printed_only_their_own_lines(job: Job) -> None:
-    """Last in the module: stops the shared job. Every query above ran while it worked."""
+def the_job_ends_and_the_ranks_printed_only_their_own_lines(job: Job) -> None:
+    """The shared job's end (the fixture's teardown; a failure is an error at the teardown of
+    the module's last test): it exits 0, its ranks printed exactly the script's lines and
+    nothing on stderr, the straggler note came once, and its control files are gone."""
+    _until("the straggler note", lambda: "note[RANK_STRAGGLER]: rank 2 " in job.err.read_text(),
+           STRAGGLER_WITHIN_S + 10)
     job.stop.touch()
     assert job.launcher.wait(60) == 0, job.err.read_text()
     out = job.out.read_text().splitlines()
