@@ -72,6 +72,7 @@ class Host:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     descendants: list[int] = field(default_factory=list)
+    args: tuple[str, ...] = ()  # the worker command's arguments, to start it again
 
     @property
     def env(self) -> dict[str, str]:
@@ -79,6 +80,7 @@ class Host:
                         GPUWARDEN_LEASE_DIR=str(self.lease_dir))
 
     def start(self, scheduler: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.args = args
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuwarden", "worker", scheduler, *args],
@@ -151,7 +153,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("dask")
     scheduler, address = start_scheduler(tmp)
     hosts = []
@@ -175,6 +177,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 host.stop(signal.SIGTERM)
         other.release()
         stop_process(scheduler)
+
+
+@pytest.fixture
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The module's cluster with both hosts' worker commands running and all four workers
+    registered: some tests stop a host or kill a worker, and the order is random. A host
+    stopped by an earlier test is started again (its log then starts afresh)."""
+    for host in (shared_cluster.a, shared_cluster.b):
+        assert host.proc is not None
+        if host.proc.poll() is not None:
+            host.start(shared_cluster.address, *host.args)
+            host.wait_ready()
+    with Client(shared_cluster.address) as client:
+        for name in EXPECTED_WORKERS:  # a killed worker's nanny starts it again
+            wait_for_worker(client, name)
+    for host in (shared_cluster.a, shared_cluster.b):
+        host.note_descendants()
+    return shared_cluster
 
 
 def where_am_i(i: int, sleep_s: float = 0.0) -> dict[str, Any]:
@@ -282,7 +302,7 @@ def test_no_gpu_exits_3(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
 
 
 def test_sigterm_stops_the_workers_and_releases_the_gpus(cluster: Cluster) -> None:
-    # Last of the shared cluster's tests: it ends box-b's workers.
+    # It ends box-b's workers (the cluster fixture starts them again for a later test).
     b = cluster.b
     assert b.stop(signal.SIGTERM) == 0
     assert b.leases() == []

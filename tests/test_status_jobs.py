@@ -71,7 +71,10 @@ def stacks(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     d = tmp_path_factory.mktemp("straggling-job")
     j = Job(None, d / "out", d / "err", d / "stop", d)  # type: ignore[arg-type]
-    env = {**os.environ, "SLOW_RANK": "2", "SLOW_DELAY_S": "1", "STOP_FILE": str(j.stop),
+    # Rank 2 sleeps 2 s a step: the others wait for it in most samples even where the rest of
+    # a step (an all_reduce of 4 ranks on 2 busy cores) takes a second (1 s gave a share of
+    # 0.43 at load average 20).
+    env = {**os.environ, "SLOW_RANK": "2", "SLOW_DELAY_S": "2", "STOP_FILE": str(j.stop),
            "STAMP_DIR": str(d), "GPUWARDEN_SIMULATE": str(SCENARIOS / "nogpu.json")}
     with open(j.out, "wb") as out, open(j.err, "wb") as err:
         j.launcher = subprocess.Popen([GPUWARDEN, "launch", "-n", "4", "--cpu", SCRIPT],
