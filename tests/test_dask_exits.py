@@ -126,6 +126,7 @@ class _Proxy:
         self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.socks: list[socket.socket] = []
         self.lock = threading.Lock()
+        self.is_cut = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -136,6 +137,10 @@ class _Proxy:
             except OSError:
                 return
             with self.lock:
+                if self.is_cut:  # accepted as cut() ran: the scheduler is gone for it too
+                    for s in (down, up):
+                        s.close()
+                    return
                 self.socks += [down, up]
             for a, b in ((down, up), (up, down)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -154,6 +159,16 @@ class _Proxy:
                 pass
 
     def cut(self) -> None:
+        # shutdown() first: close() alone leaves the accept() blocked in the other thread
+        # listening, and the next connection (the supervisor's check that the port refuses,
+        # or the restarting worker's) reached the live scheduler, which then never looked
+        # gone (the GPU not released in 30 s, 2 runs of 3 under load).
+        with self.lock:
+            self.is_cut = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
         with self.lock:
             for s in self.socks:
