@@ -511,7 +511,8 @@ def test_local_cluster_runs_a_joblib_sweep_on_this_hosts_gpus(
     from gpuwarden.dask import local_cluster
 
     scenario("two_gpu")
-    with local_cluster(workers_per_gpu=2) as cluster:
+    # Four workers start at once: Dask's 30 s for a nanny's start ran out at load average 20.
+    with local_cluster(workers_per_gpu=2, connect_timeout_s=120) as cluster:
         assert cluster.names == ["two-gpu/GPU0/0", "two-gpu/GPU1/0", "two-gpu/GPU0/1",
                                  "two-gpu/GPU1/1"]
         assert [(c.index, c.slots) for h in list_leases(lease_dir).holders

@@ -161,8 +161,7 @@ class _Proxy:
     def cut(self) -> None:
         # shutdown() first: close() alone leaves the accept() blocked in the other thread
         # listening, and the next connection (the supervisor's check that the port refuses,
-        # or the restarting worker's) reached the live scheduler, which then never looked
-        # gone (the GPU not released in 30 s, 2 runs of 3 under load).
+        # or the restarting worker's) would reach the live scheduler.
         with self.lock:
             self.is_cut = True
         try:
@@ -174,9 +173,14 @@ class _Proxy:
             for s in self.socks:
                 try:  # a reset, as when the scheduler's process dies
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                    s.close()
+                    # shutdown() ends the connection now: close() alone does not while a pump
+                    # thread is blocked in recv() on the socket, and the supervisor then waited
+                    # 30 s for the answer to its ping on a connection that was neither
+                    # answered nor closed
+                    s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                s.close()
 
 
 def _suicide() -> None:
@@ -259,18 +263,20 @@ def test_a_scheduler_that_refuses_is_announced_at_once_and_named_at_the_end(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuwarden", "worker", "--cpu", "--connect-timeout", "3s",
+        [sys.executable, "-m", "gpuwarden", "worker", "--cpu", "--connect-timeout", "10s",
          f"tcp://127.0.0.1:{port}"], env=dask_env(), stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL, text=True)
     assert proc.stderr is not None
-    started = time.monotonic()
     first = proc.stderr.readline()
-    announced = time.monotonic() - started
+    announced = time.monotonic()
     rest = proc.stderr.read()
     assert proc.wait(30) == 1
-    # the interpreter's start is in `announced` too: the wait itself is said within a second
+    ended = time.monotonic()
+    # Said when the wait begins, not when it ends: most of the 10 s of --connect-timeout lie
+    # between the two lines (both measured here: the interpreter's start, seconds on a loaded
+    # machine, comes before either).
     assert "waiting for the Dask scheduler" in first and "connection refused" in first
-    assert announced < 10, announced
+    assert ended - announced >= 5.0, ended - announced
     assert rest.startswith(f"error[DASK_SCHEDULER_UNREACHABLE]: the Dask scheduler at "
                            f"tcp://127.0.0.1:{port} does not answer"), rest
     assert "fix:" in rest and "Traceback" not in rest

@@ -126,11 +126,21 @@ def test_status_shows_the_sleeping_rank_out_of_the_collective(job: Job) -> None:
 
 
 def test_stacks_groups_the_waiting_ranks_and_shows_the_odd_one(job: Job) -> None:
-    started = time.monotonic()
-    r = stacks(job.id)
-    took = time.monotonic() - started
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    # Asked until the picture has rank 2 out of the collective: at the moment of a request it
+    # can be in its all_reduce with the others (then all four are one group, rightly), more
+    # often on a loaded machine, where a step's all_reduce takes longer.
+    def picture() -> list[str] | None:
+        started = time.monotonic()
+        r = stacks(job.id)
+        took = time.monotonic() - started
+        assert r.returncode == 0, r.stderr
+        # the bound is 2 s (benchmarks/bench_status.py): 0.3 s here, and an interpreter's
+        # start takes seconds at load average 20
+        assert took < 20, f"stacks took {took:.1f} s"
+        lines = r.stdout.splitlines()
+        return lines if any(line.startswith("rank 2 (1 of 4): ") for line in lines) else None
+
+    lines = _until("a picture with rank 2 out of the collective", picture, 60)
     assert lines[0].startswith(f"job {job.id}: ") and "4 rank(s)" in lines[0]
     head = next(i for i, line in enumerate(lines) if line.startswith("ranks 0-1, 3 (3 of 4): "
                                                                     "waiting in all_reduce at straggler.py:"))
@@ -138,13 +148,18 @@ def test_stacks_groups_the_waiting_ranks_and_shows_the_odd_one(job: Job) -> None
     odd = next(line for line in lines if line.startswith("rank 2 (1 of 4): running: <module> at "
                                                         "straggler.py:"))
     assert odd.endswith("<-- odd one out")
-    assert took < 10, f"stacks took {took:.1f} s"  # the bound is 2 s (benchmarks/bench_status.py)
-    doc = json.loads(stacks(job.id, "--json", "--all-threads").stdout)
+
+    def as_json() -> dict[str, Any] | None:
+        doc: dict[str, Any] = json.loads(stacks(job.id, "--json", "--all-threads").stdout)
+        return doc if len(doc["groups"]) == 2 else None
+
+    doc = _until("a JSON picture with rank 2 out of the collective", as_json, 60)
     assert doc["schema_version"] == 1
     assert [(g["ranks"], g["odd"]) for g in doc["groups"]] == [([0, 1, 3], False), ([2], True)]
-    # every rank answered now (none shown from an old sample); the launcher's own time is
-    # about 10 ms here, the 2 s bound is the benchmark's (a loaded machine gets room here)
-    assert all(r["fresh"] for r in doc["ranks"]) and doc["after_s"] < 5.0
+    # every rank answered now (none shown from an old sample). The launcher's own time is
+    # about 10 ms here and its waits add up to 2 s at most (a rank's fresh stack, the flight
+    # recorder); the rest of the bound is a loaded machine's.
+    assert all(r["fresh"] for r in doc["ranks"]) and doc["after_s"] < 15.0, doc["after_s"]
     assert doc["groups"][0]["wait"]["op"] == "all_reduce"
     assert [n["answered"] for n in doc["nodes"]] == [True]
 
