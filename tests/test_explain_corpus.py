@@ -54,8 +54,11 @@ def test_every_case_has_a_log_an_expected_code_and_a_public_source() -> None:
 
 HELD_BACK = [Path(__file__).parent / d for d in
              ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b", "explain_heldout_v3c")]
+# v4 adds "quoted" (a markdown quote, quotes or backticks around the pasted text), "flattened"
+# (a multi-line message run into one line) and "family" (the root cause sits beside a generic
+# echo of the same family: NCCL's summary, a launcher's report, a watchdog)
 FORMS = {"plain", "prefix", "wrapped", "interleaved", "truncated", "windows", "localized", "ansi",
-         "rich", "mangled", "json"}
+         "rich", "mangled", "json", "quoted", "flattened", "family"}
 
 
 def test_every_held_back_case_has_a_log_a_known_code_a_source_and_its_forms() -> None:
