@@ -101,7 +101,7 @@ def plan_anchors(keywords: Sequence[bytes], sample: bytes) -> list[tuple[bytes, 
 
     heap = [(key(g), g) for g in covers]  # a popped key may be stale: worth only falls
     heapq.heapify(heap)
-    plan: list[tuple[bytes, tuple[int, ...]]] = []
+    plan: list[tuple[bytes, int]] = []  # anchor, the keyword bits it checks
     while uncovered and heap:
         _, gram = heapq.heappop(heap)
         fresh = key(gram)
