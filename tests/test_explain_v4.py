@@ -266,3 +266,20 @@ def test_at_end_signatures_are_validated(sig: dict[str, Any], problem: str) -> N
         "signatures": [{"pattern": "y"}, sig]}]}
     with pytest.raises(KnowledgeBaseError, match=problem):
         parse_knowledge(data)
+
+
+def test_a_failed_nvlink_and_musls_resolver_wording() -> None:
+    # Found by the held-back v4 split's first measurement (nnUNet#1519, ms-swift#6368).
+    # The runtime's cudaErrorNvlinkUncorrectable is the link failing: GPU_HARDWARE_FAULT.
+    assert code("RuntimeError: CUDA error: uncorrectable NVLink error detected during the "
+                "execution\n") == "GPU_HARDWARE_FAULT"
+    assert code("cudaErrorNvlinkUncorrectable\n") == "GPU_HARDWARE_FAULT"
+    # "uncorrectable" alone is not a fault of the GPU
+    assert code("warning: uncorrectable spelling in comment\n") == NONE_CODE
+    # musl's getaddrinfo (Alpine, busybox nslookup) says "Name does not resolve": MASTER_ADDR
+    # in a distributed launch, but pip or curl on Alpine without DNS is no rendezvous
+    launch = ("nslookup: can't resolve 'job-master-0': Name does not resolve\n"
+              '  File "/opt/lib/python3.12/site-packages/torch/distributed/run.py", line 901\n')
+    assert code(launch) == "RDZV_DNS"
+    assert code("WARNING: Retrying after connection broken by 'NewConnectionError(': Failed to "
+                "establish a new connection: [Errno -2] Name does not resolve')\n") == NONE_CODE
