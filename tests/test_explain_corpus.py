@@ -9,7 +9,7 @@ The accuracy table is printed (pytest -s, or on failure).
 
 These logs were used while writing the signatures; the held-back splits
 (tests/explain_heldout/, tests/explain_heldout_v3/, tests/explain_heldout_v3b/,
-tests/explain_heldout_v3c/, tests/explain_heldout_v4/, measured by benchmarks/explain_heldout.py)
+tests/explain_heldout_v3c/, tests/explain_heldout_v4/, tests/explain_heldout_v4b/, measured by benchmarks/explain_heldout.py)
 were not. Only their metadata is checked here: each case's
 log, code, public source, and (v3) the forms it reached us in.
 
@@ -55,7 +55,7 @@ def test_every_case_has_a_log_an_expected_code_and_a_public_source() -> None:
 
 HELD_BACK = [Path(__file__).parent / d for d in
              ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b", "explain_heldout_v3c",
-              "explain_heldout_v4")]
+              "explain_heldout_v4", "explain_heldout_v4b")]
 # v4 adds "quoted" (a markdown quote, quotes or backticks around the pasted text), "flattened"
 # (a multi-line message run into one line) and "family" (the root cause sits beside a generic
 # echo of the same family: NCCL's summary, a launcher's report, a watchdog)
