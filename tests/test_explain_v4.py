@@ -283,3 +283,37 @@ def test_a_failed_nvlink_and_musls_resolver_wording() -> None:
     assert code(launch) == "RDZV_DNS"
     assert code("WARNING: Retrying after connection broken by 'NewConnectionError(': Failed to "
                 "establish a new connection: [Errno -2] Name does not resolve')\n") == NONE_CODE
+
+
+def test_what_the_second_held_back_batch_missed() -> None:
+    # Found by the v4b split's first (and only) measurement; written from the printing
+    # programs' formats, so those four logs are no longer held back.
+    # A CUDA program's own check of error 3 (AutoDock-GPU#192)
+    assert code("cudaGetDeviceCount failed initialization error\n") == "CUDA_INIT_ERROR"
+    assert code("cudaSetDevice: initialization error\n") == "CUDA_INIT_ERROR"
+    assert code("model initialization error: missing key 'head'\n") == NONE_CODE
+    # MPICH's hydra box: the signal a rank died of (MPLBM-UT#92); alone the number is nothing
+    box = ("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+           "=   PID 92248 RUNNING AT fzh-desktop\n=   {}\n"
+           "=   CLEANING UP REMAINING PROCESSES\n")
+    assert code(box.format("EXIT CODE: 9")) == "HOST_OOM_KILL"
+    assert code(box.format("KILLED BY SIGNAL: 11 (Segmentation fault)")) == "RANK_NATIVE_CRASH"
+    assert code("=   EXIT CODE: 9\n") == NONE_CODE
+    # NCCL's failed socket connect, and its return-code trace alone (sglang#5594, nccl#697)
+    trace = "h100-15:132:132 [0] NCCL INFO init.cc:1263 -> 2\n"
+    aborted = ("h100-15:139:1092 [7] socket.c:485 NCCL WARN socketStartConnect: Connect to "
+               "10.0.0.82<38455> failed : Software caused connection abort\n")
+    assert code(aborted + trace) == "NCCL_SYSTEM_ERROR"
+    assert code("dgxa100:1050:1316 [0] NCCL INFO Channel 15/0 : 0[90000] -> 1[1000] [send] via "
+                "NET/Socket/7\n" + trace) == "NCCL_SYSTEM_ERROR"
+    # the trace is NCCL's summary: a cause it names, or any other finding, is the answer
+    refused = aborted.replace("Software caused connection abort", "Connection refused")
+    assert code(refused + trace) == "RDZV_CONN_REFUSED"
+    shm = ("h:1:2 [0] misc/shmutils.cc:112 NCCL WARN Error while creating shared memory segment "
+           "/dev/shm/nccl-KWfVyt (size 5967872)\n")
+    assert code(shm + trace) == "NCCL_SHM"
+    # an error-return trace is no healthy INFO line: not a P2P hang
+    p2p = "h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read\n"
+    diag = explain_text(p2p + trace)
+    assert diag.primary.code == "NCCL_SYSTEM_ERROR" and not diag.others
+    assert code(p2p + "h:1:2 [0] NCCL INFO Connected all rings\n") == "NCCL_P2P_HANG"
