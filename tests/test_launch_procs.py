@@ -142,6 +142,7 @@ def test_simulated_two_gpu_host_gives_every_rank_the_jobs_gpus(capsys: pytest.Ca
     ("raise", 1, "rank 1 failed first: ValueError: bad batch 17"),
     ("exit3", 3, "rank 1 failed first: exit code 3"),
     ("segv", 128 + 11, "rank 1 was killed by SIGSEGV(-11)"),
+    ("fpe", 128 + 8, "rank 1 was killed by SIGFPE(-8)"),
     ("kill", 128 + 9, "rank 1 was killed by SIGKILL(-9)"),
 ])
 def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixture[str],
@@ -160,7 +161,7 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
     assert not wait_until_gone(pids_in(tmp_path), 2.0)  # ranks and their own children
     if mode == "raise":
         assert 'File "' + str(SCRIPTS / "crash.py") in err and "_bootstrap.py" not in err
-    if mode == "segv":
+    if mode in ("segv", "fpe"):
         assert "Python stack of rank 1 at the crash" in err and "crash.py\", line" in err
         assert "error[RANK_NATIVE_CRASH]" in err  # its own native code, not "a rank failed"
     if mode == "kill":

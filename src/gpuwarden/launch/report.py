@@ -39,13 +39,20 @@ _SIGNAL_WHY = {
                 "the lines the rank printed before it died name the check that failed"),
     "SIGBUS": ("a bus error, usually shared memory (/dev/shm) running out under DataLoader or NCCL",
                "give the container more /dev/shm (--shm-size, --ipc=host) or use fewer workers"),
-    "SIGFPE": ("an arithmetic fault in native code", "see the stack below"),
+    "SIGFPE": ("an arithmetic fault in native code: an integer division by zero or overflow in "
+               "a C/C++/CUDA extension (a float division by zero gives inf, not a signal)",
+               "the Python stack at the crash is shown below: look for an index or size that "
+               "can be 0 in the call into the extension"),
+    "SIGILL": ("an illegal instruction: a library built for a newer CPU than this one (AVX2, "
+               "AVX-512, a -march=native build), or a corrupted binary",
+               "install a build for this CPU (`lscpu` lists its flags), or rebuild the extension "
+               "without -march=native"),
 }
 
 
 # Signals of a rank's own native code (RANK_NATIVE_CRASH), unless explain names the error the
 # rank aborted on; SIGKILL comes from outside (HOST_OOM_KILL, the scheduler).
-_NATIVE_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT"})
+_NATIVE_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL"})
 
 
 def exit_words(returncode: int) -> str:
@@ -60,6 +67,8 @@ def root_cause(exits: list[RankExit]) -> RankExit | None:
     making) seen within ECHO_WINDOW_S of it wins, else the rank that left (exit 0 included,
     e.g. ``os._exit(0)``) before it: the others failed because that rank was gone. The window
     absorbs the supervisor's view of an exit, a poll later than the peer's own error record.
+    Past the window the echo stays the first failure: a failure recorded later (its own
+    exception's time, not when it was reaped) cannot be what the echo heard.
     """
     failures = sorted((e for e in exits if e.failed and not e.stopped_by_launcher),
                       key=lambda e: (e.failed_at, e.rank))
