@@ -114,3 +114,94 @@ def test_launch_without_a_script_names_only_the_script_as_missing(capsys) -> Non
     assert main(["launch"]) == 2
     err = capsys.readouterr().err
     assert "required: SCRIPT;" in err and "ARGS" not in err, err
+
+
+# ---- issue 36: the rendezvous named, not waited out ---------------------------------------
+
+C10D_DNS_LINE = ("[W1127 11:44:04.716900646 socket.cpp:764] [c10d] The IPv6 network addresses of "
+                 "(no-such-host.invalid, 29534) cannot be retrieved (gai error: -2 - Name or "
+                 "service not known).")
+
+
+@pytest.mark.timeout(60)
+def test_a_master_addr_that_does_not_resolve_is_refused_before_any_rank_starts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, sleeper: str) -> None:
+    """One node, `--master-addr no-such-host.invalid --master-port P`: the ranks retried the
+    name silently for 57-90 s; `doctor` and `explain` named it at once, so does launch now."""
+    from gpuwarden.net import pick_free_port
+
+    def no_rank(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(ProcessContext, "start", no_rank)
+    started = time.monotonic()
+    code = main(["launch", "-n", "2", "--master-addr", "no-such-host.invalid", "--master-port",
+                 str(pick_free_port()), sleeper])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith(
+        "error[RDZV_DNS]: MASTER_ADDR 'no-such-host.invalid' does not resolve"), err
+    assert "fix: give --master-addr a name or address this host resolves" in err
+    assert time.monotonic() - started < 15
+    assert list_leases().holders == ()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_on_ranks_stuck_in_the_rendezvous_says_why(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Ctrl-C said only LAUNCH_INTERRUPTED while every rank's stderr said why it waited: the
+    report names it, from the lines the ranks wrote before the stop (torch prints a long C++
+    stack for the interrupted connect, which would push them out of the tail)."""
+    import threading
+
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    for i in range(60):\n"
+        "        print(f'frame #{i}: <unknown function> + 0x3d2825', file=sys.stderr)\n"
+        "    sys.exit(1)\n"
+        "signal.signal(signal.SIGINT, stop)\n"
+        f"line = {C10D_DNS_LINE!r}\n"
+        "for i in range(600):\n"
+        "    print(line, file=sys.stderr, flush=True)\n"
+        "    if i == 2:\n"
+        "        open(os.path.join(sys.argv[1], 'ready.' + os.environ['RANK']), 'w').close()\n"
+        "    time.sleep(0.1)\n")
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 40
+        while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    helper = threading.Thread(target=interrupt)
+    helper.start()
+    code = main(["launch", "-n", "2", str(script), str(tmp_path)])
+    helper.join()
+    err = capsys.readouterr().err
+    assert code == 130, err
+    report = err[err.index("error[LAUNCH_INTERRUPTED]"):]
+    assert "why: before the interrupt, rank(s) 0, 1 were stuck: MASTER_ADDR (or a peer's host " \
+        "name) does not resolve (RDZV_DNS)" in report, report
+    assert "matched in rank 0's output: " in report and "no-such-host.invalid" in report
+
+
+def test_status_says_what_ranks_in_the_rendezvous_are_stuck_on() -> None:
+    """`status` said "2 (2 in rendezvous) running" while the ranks retried an unknown name."""
+    from gpuwarden.cli.status import build_view, to_plain
+    from gpuwarden.launch.observer.observe import diagnose_waits
+
+    rows = [{"rank": r, "pid": 4000 + r, "gpu": None, "phase": "rendezvous", "op": None,
+             "for_s": 8.2, "cpu_cores": 0.0, "where": "init_process_group at train.py:4"}
+            for r in (0, 1)]
+    diagnose_waits(rows, {0: (C10D_DNS_LINE,), 1: ("nothing known", C10D_DNS_LINE)})
+    assert [r["diagnosis"]["code"] for r in rows] == ["RDZV_DNS", "RDZV_DNS"]
+    launch = {"run_id": "r", "target": "train.py", "node_rank": 0, "nnodes": 1, "attempt": 0,
+              "max_restarts": 0, "uptime_s": 9.0, "sample_interval_s": 2.0, "stall": None,
+              "ranks": rows}
+    job = {"id": "812345", "user": "me", "kind": "launch", "age_s": 9.0, "gpus": [],
+           "command": "gpuwarden launch -n 2 train.py", "launch": launch}
+    text = to_plain(build_view({"host": "box", "generated_at": 0.0, "jobs": [job]}))
+    assert "2 (2 in rendezvous (RDZV_DNS))" in text, text
+    assert "rank(s) 0, 1 in rendezvous: RDZV_DNS: MASTER_ADDR (or a peer's host name) does " \
+        "not resolve; rank 0 printed: [W1127" in text, text

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -81,7 +82,37 @@ def test_torchrun_flags_keep_their_meaning() -> None:
     cpu = config("--nproc-per-node", "cpu", BEHAVE)
     assert cpu.cpu and cpu.nproc == len(os.sched_getaffinity(0))
     assert config("--nproc-per-node", "auto", BEHAVE).nproc_auto
-    assert config(BEHAVE).master_addr == "localhost"  # what torchrun gives on one node
+
+
+
+@pytest.mark.parametrize(("argv", "pet", "master_addr"), [
+    # torchrun runs its c10d rendezvous on one node (--standalone, c10d, or neither a port nor
+    # an endpoint): MASTER_ADDR is this host's name ("": looked up before the plan)
+    ([], {}, ""), (["--standalone"], {}, ""), (["--rdzv-backend", "c10d"], {}, ""),
+    (["--master-addr", "10.0.0.4"], {}, ""), (["--local-addr", "127.0.0.1"], {}, ""),
+    ([], {"PET_RDZV_BACKEND": "c10d", "PET_MASTER_ADDR": "127.0.0.1",
+          "PET_MASTER_PORT": "29500"}, ""),
+    # ... its static rendezvous (a port or an endpoint given): --master-addr, else 127.0.0.1
+    (["--master-port", "29531"], {}, "127.0.0.1"), ([], {"PET_MASTER_PORT": "29531"}, "127.0.0.1"),
+    (["--master-addr", "box", "--master-port", "29531"], {}, "box"),
+    (["--rdzv-endpoint", "box:29531"], {}, "box"),
+])
+def test_master_addr_on_one_node_follows_torchruns_rendezvous(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], pet: dict[str, str],
+        master_addr: str) -> None:
+    for name, value in pet.items():
+        monkeypatch.setenv(name, value)
+    assert config(*argv, BEHAVE).master_addr == master_addr
+
+
+def test_the_c10d_master_addr_is_this_hosts_name_as_torch_gives_it() -> None:
+    import socket
+
+    from gpuwarden.launch.preflight import choose_master_addr
+
+    assert choose_master_addr(config(BEHAVE)) == (socket.getfqdn(), ())
+    assert choose_master_addr(config("--local-addr", "127.0.0.2", BEHAVE)) == ("127.0.0.2", ())
+    assert choose_master_addr(config("--master-port", "29531", BEHAVE)) == ("127.0.0.1", ())
 
 
 def test_pet_variables_are_read_as_torchrun_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,8 +129,9 @@ def test_pet_variables_are_read_as_torchrun_reads_them(monkeypatch: pytest.Monke
 def test_rendezvous_flags_map_onto_the_jobs_store() -> None:
     c = config("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29533", "--rdzv-id", "j",
                "--rdzv-conf", "join_timeout=90,read_timeout=60", BEHAVE)
+    # one node, c10d: torchrun's ranks get this host's name, not the endpoint's ("": looked up)
     assert (c.master_addr, c.master_port, c.rdzv_id, c.nnodes, c.rdzv_timeout_s) == (
-        "localhost", 29533, "j", 1, 90)
+        "", 29533, "j", 1, 90)
     assert config("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost", BEHAVE).master_port == 29400
     standalone = config("--standalone", "--rdzv-endpoint", "x:1", "--rdzv-id", "j", BEHAVE)
     assert standalone.master_port is None and standalone.rdzv_id is None  # torchrun ignores them
@@ -428,6 +460,35 @@ def test_head_1_ends_the_job_without_a_traceback(tmp_path: Path) -> None:
     assert done.stdout.startswith("[rank") and done.stdout.count("\n") == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert "status=0" in done.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["static", "pet-c10d"])
+def test_master_addr_is_torchruns_in_either_rendezvous(tmp_path: Path, mode: str) -> None:
+    """torchrun itself, beside gpuwarden launch: its static rendezvous (one node, a port given)
+    gave 127.0.0.1 where gpuwarden gave localhost; Kubeflow's PET_RDZV_BACKEND=c10d the reverse."""
+    from gpuwarden.net import pick_free_port
+
+    script = tmp_path / "addr.py"
+    script.write_text("import os\nprint('ADDR', os.environ['MASTER_ADDR'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["GPUWARDEN_SIMULATE"] = str(SCENARIOS / "nogpu.json")
+    args = ["--nproc-per-node", "1"]
+    if mode == "static":
+        args += ["--master-port", str(pick_free_port())]
+    else:
+        env.update(PET_RDZV_BACKEND="c10d", PET_MASTER_ADDR="127.0.0.1",
+                   PET_MASTER_PORT=str(pick_free_port()))
+
+    def addr(cmd: list[str]) -> str:
+        done = subprocess.run([*cmd, *args, str(script)], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=150)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("ADDR ", 1)[1].split()[0]
+
+    theirs = addr([str(Path(sys.executable).parent / "torchrun")])
+    assert addr([GPUWARDEN, "launch"]) == theirs
+    assert theirs == ("127.0.0.1" if mode == "static" else socket.getfqdn())
 
 
 # What docs/launch.md lists as the remaining differences from torchrun's environment, each with

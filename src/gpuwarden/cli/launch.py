@@ -227,7 +227,7 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     from gpuwarden.cli._args import min_free_bytes
-    from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STOP_SIGNALS, LaunchConfig
+    from gpuwarden.launch.config import STOP_SIGNALS, LaunchConfig
     from gpuwarden.units import parse_duration
 
     if args.logs_specs:
@@ -262,6 +262,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         node_rank = None  # assigned on arrival; torchrun ignores --node-rank here too
     elif node_rank is None and (nnodes or 1) == 1:
         node_rank = 0
+    if (nnodes or 1) == 1:
+        master_addr = _one_node_master_addr(args, rdzv)
     if isinstance(gpus, str) and gpus != "all":
         if not gpus.isdigit():
             raise UsageError(f"--gpus {gpus!r} is neither a number nor 'all'", fix="--gpus 2 or --gpus all")
@@ -289,7 +291,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         straggler_note=args.straggler_note,
         grace_s=_grace(args.shutdown_timeout),
         master_port=master_port,
-        master_addr=master_addr or DEFAULT_MASTER_ADDR,
+        master_addr=master_addr or "",
         nnodes=1 if nnodes is None else nnodes,
         min_nodes=rdzv["min_nodes"],
         node_rank=node_rank,
@@ -318,6 +320,21 @@ def config_from_args(args: argparse.Namespace) -> Any:
         duplicate_stderr_filters=_filters(args.duplicate_stderr_filters),
         signals_to_handle=signals,
     )
+
+
+def _one_node_master_addr(args: argparse.Namespace, rdzv: dict[str, Any]) -> str:
+    """MASTER_ADDR on one node, as torchrun gives it: its static rendezvous (a --master-port or
+    an endpoint given) hands the workers --master-addr (127.0.0.1 when left out) or the
+    endpoint's host; its c10d rendezvous (--standalone, --rdzv-backend c10d, or neither a port
+    nor an endpoint, which torchrun runs as c10d on one node) this host's own name: "" here,
+    looked up before the plan (launch/preflight.py: choose_master_addr)."""
+    from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STATIC_MASTER_ADDR
+
+    c10d = args.standalone or rdzv["backend"] == "c10d" or (
+        not args.rdzv_endpoint and rdzv["master_port"] is None)
+    if c10d:
+        return DEFAULT_MASTER_ADDR
+    return rdzv["master_addr"] or STATIC_MASTER_ADDR
 
 
 def _nproc(text: str | None) -> int | None:
@@ -487,6 +504,11 @@ def run(args: argparse.Namespace) -> int:
     if args.node_rank is not None and config.dynamic:
         notes.append(f"--node-rank {args.node_rank} is ignored with --rdzv-backend c10d: torch's "
                      "rendezvous assigns node ranks on arrival (as torchrun)")
+    if args.master_addr and not config.master_addr:
+        notes.append(f"--master-addr {args.master_addr} is not used: on one node without "
+                     "--master-port (or with --standalone or --rdzv-backend c10d) torchrun runs "
+                     "its c10d rendezvous, whose ranks get this host's own name as MASTER_ADDR; "
+                     "so does gpuwarden")
     if args.numa_binding:
         notes.append(f"--numa-binding {args.numa_binding} is not applied: ranks run on every "
                      "CPU this launch may use")

@@ -13,9 +13,16 @@ from gpuwarden.errors import UsageError
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
-# What torchrun gives its workers on one node (its agent's store host): a script that checks
-# MASTER_ADDR, or builds an init_method from it, sees the same.
-DEFAULT_MASTER_ADDR = "localhost"
+# MASTER_ADDR on one node is what torchrun gives its workers there (torch.distributed.run, checked
+# against torchrun 2.13 itself): its static rendezvous (--master-port or --rdzv-endpoint given)
+# hands them --master-addr, 127.0.0.1 by default; its c10d rendezvous (--standalone,
+# --rdzv-backend c10d, or neither --master-port nor an endpoint: torchrun turns that into c10d on
+# one node) hands them the node's own name, --local-addr or socket.getfqdn(). A script that
+# checks MASTER_ADDR, or builds an init_method from it, sees the same.
+STATIC_MASTER_ADDR = "127.0.0.1"
+# LaunchConfig.master_addr left to the host: this host's name as torch's c10d rendezvous gives
+# it, looked up before the plan (preflight.choose_master_addr).
+DEFAULT_MASTER_ADDR = ""
 DEFAULT_MONITOR_INTERVAL_S = 0.05
 # torchrun's --signals-to-handle default: each stops the job, passed on to every rank.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -66,6 +73,7 @@ class LaunchConfig:
     keep_waiting: bool = False
     straggler_note: bool = True  # one stderr line when a straggler persists (launch/watch/straggler.py)
     grace_s: float = DEFAULT_GRACE_S
+    # "" (DEFAULT_MASTER_ADDR): this host's name, as torchrun's c10d rendezvous gives it
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None
     log_dir: str | None = None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError
+from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError, RendezvousError
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
 
@@ -104,6 +104,50 @@ def _more_ranks_than_gpus(exc: ConstraintError, world: int, count: int) -> Const
         "to put several ranks on one GPU (they then use gloo)",
         evidence=exc.evidence,
     )
+
+
+FQDN_TIMEOUT_S = 2.0  # this host's name, looked up as torch's rendezvous does (getfqdn)
+RESOLVE_TIMEOUT_S = 3.0  # an explicit MASTER_ADDR on one node
+
+
+def choose_master_addr(config: LaunchConfig) -> tuple[str, tuple[str, ...]]:
+    """MASTER_ADDR of a launch on one node, and notes: the address given (static rendezvous),
+    which must resolve here, at once (RendezvousError RDZV_DNS: PyTorch retries an unknown
+    name silently for its whole timeout, 30 minutes for gloo); else this host's own name, as
+    torchrun's c10d rendezvous gives it (--local-addr, else ``socket.getfqdn()``)."""
+    from gpuwarden import net
+
+    if config.master_addr:
+        _check_resolves(config.master_addr)
+        return config.master_addr, ()
+    if config.local_addr:
+        return config.local_addr, ()
+    name = net.host_fqdn(timeout_s=FQDN_TIMEOUT_S)
+    if name is None:
+        return "localhost", (f"this host's name did not resolve within {FQDN_TIMEOUT_S:g} s: "
+                             "MASTER_ADDR=localhost (torchrun would wait for the resolver and "
+                             "give its answer)",)
+    return name, ()
+
+
+def _check_resolves(addr: str) -> None:
+    from gpuwarden import net
+    from gpuwarden.doctor.model import Status
+    from gpuwarden.doctor.net_checks import check_master_addr
+    from gpuwarden.doctor.probes import RendezvousFacts
+
+    resolution = net.resolve(addr, timeout_s=RESOLVE_TIMEOUT_S)
+    if resolution.ok:
+        return
+    # The doctor's words for the same fact (`gpuwarden doctor` and `explain` name it so too).
+    c = check_master_addr(RendezvousFacts(addr, None, None, resolution, False, None, None, None),
+                          1)
+    assert c.status is Status.FAIL
+    raise RendezvousError(c.what, why=c.why, fix="give --master-addr a name or address this host "
+                          "resolves (one node: this host's own), or leave --master-addr out: "
+                          "gpuwarden then gives the ranks this host's name, as torchrun",
+                          evidence=list(c.evidence), code=c.code,
+                          fields={"master_addr": addr, "error": resolution.error})
 
 
 def choose_port(config: LaunchConfig) -> int:

@@ -25,7 +25,7 @@ from gpuwarden.launch.config import LaunchConfig, needs_log_files
 from gpuwarden.launch.observer.control import serve
 from gpuwarden.launch.outcome import Failure, LaunchReport, RunOutcome, Settled
 from gpuwarden.launch.plan import LaunchPlan, make_plan, rank_count
-from gpuwarden.launch.preflight import choose_port, take_gpus
+from gpuwarden.launch.preflight import choose_master_addr, choose_port, take_gpus
 from gpuwarden.launch.report import build_report, stall_report
 from gpuwarden.launch.supervisor import Supervisor
 
@@ -58,6 +58,7 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     err = stderr or sys.stderr
     own_dir = run_dir is None
     errors_only: str | None = None
+    addr_notes: tuple[str, ...] = ()
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     taken = None
     try:
@@ -73,13 +74,17 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
             pre = check_rendezvous(config, dict(os.environ), err=err)
             if pre.env:
                 config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
+        else:
+            # Before GPUs are leased too: a MASTER_ADDR that does not resolve is refused at once.
+            addr, addr_notes = choose_master_addr(config)
+            config = replace(config, master_addr=addr)
         taken = take_gpus(config, inventory)
         run_id = config.run_id or _run_id(config)
         log_run_dir = _log_run_dir(config, run_id)
         if log_run_dir is None:
             # torch's error files go where torchrun puts them, a /tmp/torchelastic_* tree
             log_run_dir = errors_only = _error_file_dir(run_id)
-        notes = [*taken.notes]
+        notes = [*addr_notes, *taken.notes]
         if log_run_dir != errors_only:
             notes.append(f"log directory: {log_run_dir}")
         if agent is not None:

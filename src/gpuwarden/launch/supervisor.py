@@ -93,6 +93,7 @@ class _Rank:
         self.relay = relay
         self.exit: RankExit | None = None
         self.sampler: RankSampler | None = None  # once the bootstrap armed its stack handler
+        self.tail_at_stop: list[str] = []  # its last stderr lines when the stop began
 
 
 class Supervisor:
@@ -281,6 +282,8 @@ class Supervisor:
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
         sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
         for r in self.ranks:
+            if r.exit is None:
+                r.tail_at_stop = list(r.relay.stderr_tail)
             if r.exit is None and r.spec.rank not in self._failing:
                 self._signal(r, sig)
         self._offer_failure()  # after the signals: it may read the failure's text with explain
@@ -391,7 +394,8 @@ class Supervisor:
                 and r.spec.rank not in self._failing,
                 killed_by_launcher=self._killed and code == -signal.SIGKILL,
                 error=read_json_object(r.spec.files.error),
-                fatal_dump=read_fatal_dump(r.spec.files.fatal))
+                fatal_dump=read_fatal_dump(r.spec.files.fatal),
+                stderr_before_stop=r.tail_at_stop)
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
