@@ -205,3 +205,40 @@ def test_status_says_what_ranks_in_the_rendezvous_are_stuck_on() -> None:
     assert "2 (2 in rendezvous (RDZV_DNS))" in text, text
     assert "rank(s) 0, 1 in rendezvous: RDZV_DNS: MASTER_ADDR (or a peer's host name) does " \
         "not resolve; rank 0 printed: [W1127" in text, text
+
+
+@pytest.mark.parametrize("where", ["/proc/x", "read-only"])
+def test_a_log_dir_that_cannot_be_made_is_one_line_and_exit_2(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        sleeper: str, where: str) -> None:
+    """`--log-dir /proc/x`, or a read-only directory: an OSError traceback and exit 1 before."""
+    import errno
+
+    log_dir = where
+    if where == "read-only":
+        # root writes anywhere on this host's file systems: the kernel's answer is simulated
+        log_dir = str(tmp_path / "ro" / "logs")
+        real = os.makedirs
+
+        def read_only(path: Any, *args: Any, **kwargs: Any) -> None:
+            if str(path).startswith(str(tmp_path / "ro")):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            real(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "makedirs", read_only)
+    code = main(["launch", "--log-dir", log_dir, "-t", "3", sleeper])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"error[USAGE]: --log-dir {log_dir}: cannot create {log_dir} (")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert list_leases().holders == ()
+
+
+def test_a_launch_refused_before_its_ranks_leaves_no_log_directory(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, sleeper: str) -> None:
+    """The log directory is made before GPUs are leased (so an unusable one holds nothing);
+    a launch refused after it (--gpus 1 on a host without one) leaves no empty run directory behind."""
+    logs = tmp_path / "logs"
+    assert main(["launch", "--log-dir", str(logs), "--gpus", "1", sleeper]) == 4
+    assert "error[SELECT_UNSATISFIED]" in capsys.readouterr().err
+    assert list(logs.iterdir()) == []
