@@ -242,3 +242,74 @@ def test_a_launch_refused_before_its_ranks_leaves_no_log_directory(
     assert main(["launch", "--log-dir", str(logs), "--gpus", "1", sleeper]) == 4
     assert "error[SELECT_UNSATISFIED]" in capsys.readouterr().err
     assert list(logs.iterdir()) == []
+
+
+# ---- issue 36, item 8: a CPU world far beyond the cores, and a bounded stop -----------------
+
+def test_a_cpu_world_far_beyond_the_cores_is_refused_unless_asked_for(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`launch -n 999` on a 2-core host started 121 ranks before anyone could stop it."""
+    from gpuwarden.launch import config as launch_config
+    from gpuwarden.launch.plan import cpu_count
+
+    quick = tmp_path / "quick.py"
+    quick.write_text("pass\n")
+    cores = cpu_count()
+    limit = max(launch_config.MIN_CPU_RANK_LIMIT, launch_config.CPU_RANKS_PER_CORE * cores)
+    monkeypatch.setattr(ProcessContext, "start", lambda *_a, **_k: pytest.fail("a rank started"))
+    assert main(["launch", "-n", str(limit + 1), str(quick)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error[USAGE]: -n {limit + 1}: {limit + 1} CPU ranks on {cores} "
+                          f"core(s), more than {limit} are refused"), err
+    assert "--oversubscribe to run them anyway" in err and err.count("\n") == 1
+    monkeypatch.undo()
+    monkeypatch.setenv("GPUWARDEN_SIMULATE", str(SCENARIOS / "nogpu.json"))
+    # asked for: it runs (a smaller limit here, so that the test starts 3 ranks, not 17)
+    monkeypatch.setattr(launch_config, "MIN_CPU_RANK_LIMIT", 2)
+    monkeypatch.setattr(launch_config, "CPU_RANKS_PER_CORE", 1)
+    n = max(2, cores) + 1
+    assert main(["launch", "-n", str(n), str(quick)]) == 2
+    capsys.readouterr()
+    assert main(["launch", "-n", str(n), "--oversubscribe", str(quick)]) == 0, \
+        capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_during_the_start_has_only_the_started_ranks_to_undo(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        sleeper: str) -> None:
+    """Every rank's error-file directory was made before the first rank started: 999 of them,
+    and as many to remove when SIGTERM came after 34 starts (6 s on this host's disk). Each is
+    made as its rank starts now, as torchrun's agent makes them for the ranks it starts."""
+    starts: list[int] = []
+    real_start = ProcessContext.start
+
+    def start_then_signal(self: ProcessContext, argv: Any, env: Any, **stdio: Any) -> Any:
+        proc = real_start(self, argv, env, **stdio)
+        starts.append(proc.pid)
+        if len(starts) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return proc
+
+    monkeypatch.setattr(ProcessContext, "start", start_then_signal)
+    logs = tmp_path / "logs"
+    assert main(["launch", "-n", "12", "--grace", "2s", "--log-dir", str(logs), sleeper]) == 143
+    capsys.readouterr()
+    (run,) = logs.iterdir()
+    assert sorted(p.name for p in (run / "attempt_0").iterdir()) == ["0", "1"]
+
+
+def test_tidying_the_error_file_tree_is_bounded(tmp_path: Path) -> None:
+    from gpuwarden.launch.runner import _drop_if_no_error_file
+
+    base = tmp_path / "torchelastic_x"
+    for rank in range(20):
+        (base / "run_y" / "attempt_0" / str(rank)).mkdir(parents=True)
+    _drop_if_no_error_file(str(base), budget_s=0.0)  # no time: left as torchrun leaves it
+    assert len(list((base / "run_y" / "attempt_0").iterdir())) == 20
+    _drop_if_no_error_file(str(base), budget_s=30.0)
+    assert not base.exists()
+    (base / "run_y" / "attempt_0" / "1").mkdir(parents=True)
+    (base / "run_y" / "attempt_0" / "1" / "error.json").write_text("{}")
+    _drop_if_no_error_file(str(base), budget_s=30.0)  # an error file: kept, the report names it
+    assert (base / "run_y" / "attempt_0" / "1" / "error.json").exists()

@@ -83,6 +83,9 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="allow more ranks than GPUs, round-robin (implies --bind rank); NCCL "
                    "refuses two ranks on one GPU, so gpuwarden.distributed.init() picks gloo for "
                    "ranks that share one")
+    g.add_argument("--oversubscribe", action="store_true",
+                   help="run CPU ranks even when they are far more than the cores (more than 4 "
+                   "per core, and more than 16, is refused without it; mpirun's flag)")
     g.add_argument("--bind", choices=("all", "rank"), default=None,
                    help="all (default, torchrun's): every rank sees the job's GPUs in rank order, "
                    "cuda:LOCAL_RANK is its own; rank: each rank sees only its own GPU, as cuda:0, "
@@ -283,6 +286,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         gpus=gpus,
         cpu=cpu,
         share=args.share,
+        oversubscribe=args.oversubscribe,
         bind=bind,
         min_free_bytes=min_free_bytes(args.min_free),
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,

@@ -66,6 +66,9 @@ class LaunchConfig:
     gpus: int | str | None = None
     cpu: bool = False
     share: bool = False
+    # CPU ranks far beyond the cores (CPU_RANKS_PER_CORE) are refused unless asked for: mpirun's
+    # --oversubscribe
+    oversubscribe: bool = False
     bind: str = ""  # "": "all", or "rank" with --share (CUDA refuses one GPU named twice)
     min_free_bytes: int = 0
     wait_s: float | None = None
@@ -141,6 +144,12 @@ class LaunchConfig:
     def explicit_gpu_count(self) -> int | None:
         return self.gpus if isinstance(self.gpus, int) else None
 
+
+# A CPU world is refused beyond this many ranks per core (never below MIN_CPU_RANK_LIMIT) unless
+# --oversubscribe: each rank is an interpreter that imports torch (seconds of CPU and ~300 MB
+# each); 999 ranks on 2 cores started 121 of them before anyone could stop it.
+CPU_RANKS_PER_CORE = 4
+MIN_CPU_RANK_LIMIT = 16
 
 # More ranks than one node runs: the largest nodes have a few hundred cores and 72 GPUs, and
 # every rank is a process with its own pipes and files in the supervisor.

@@ -11,7 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError, RendezvousError
+from gpuwarden.errors import (
+    ConstraintError,
+    NoGPUError,
+    PortInUseError,
+    RendezvousError,
+    UsageError,
+)
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
 
@@ -44,7 +50,7 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     ranks (unless ``--share``), or when ``--wait`` ran out.
     """
     if config.cpu:
-        return TakenGPUs((), ("--cpu: ranks run on CPU (gloo)",))
+        return _on_cpu(config, "--cpu: ranks run on CPU (gloo)")
     from gpuwarden.inventory import Inventory
     from gpuwarden.select import Constraints, select
 
@@ -54,9 +60,9 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     except NoGPUError as exc:
         if config.gpus is not None:
             raise
-        return TakenGPUs((), (f"no GPU ({exc.what}): ranks run on CPU (gloo)",))
+        return _on_cpu(config, f"no GPU ({exc.what}): ranks run on CPU (gloo)")
     if not visible and config.gpus is None:
-        return TakenGPUs((), ("no GPU visible: ranks run on CPU (gloo)",))
+        return _on_cpu(config, "no GPU visible: ranks run on CPU (gloo)")
 
     probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes))
     usable = len(probe.acceptable)
@@ -71,6 +77,26 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
         # (no --wait) or ever (more GPUs than visible).
         raise _more_ranks_than_gpus(now.error(), world, want)
     return _take_gpus(want, constraints, config, world, visible, inventory)
+
+
+def _on_cpu(config: LaunchConfig, note: str) -> TakenGPUs:
+    """The ranks run on CPU: refused, at once, when they are far more than the cores (unless
+    --oversubscribe); no GPU leased."""
+    from gpuwarden.launch.config import CPU_RANKS_PER_CORE, MIN_CPU_RANK_LIMIT
+    from gpuwarden.launch.plan import cpu_count
+
+    world = rank_count(config, 0)
+    cores = cpu_count()
+    limit = max(MIN_CPU_RANK_LIMIT, CPU_RANKS_PER_CORE * cores)
+    if world > limit and not config.oversubscribe:
+        raise UsageError(
+            f"-n {world}: {world} CPU ranks on {cores} core(s), more than {limit} are refused "
+            f"({CPU_RANKS_PER_CORE} per core, at least {MIN_CPU_RANK_LIMIT})",
+            why="each rank is an interpreter that most often imports torch: starting and "
+            "stopping them would take the host minutes",
+            fix=f"fewer ranks (-n {cores}, or --nproc-per-node cpu: one per core), or "
+            "--oversubscribe to run them anyway")
+    return TakenGPUs((), (note,))
 
 
 def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world: int,

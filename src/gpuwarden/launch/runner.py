@@ -34,6 +34,7 @@ from gpuwarden.launch.supervisor import Supervisor
 # How long the node hosting the job's store keeps it up, at most, for nodes still ending (each
 # also stops being waited for once it has been silent NODE_LOST_S).
 _DONE_WAIT_S = 300.0
+TIDY_BUDGET_S = 1.0  # the empty error-file tree is removed within this, else left as torchrun's
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
@@ -287,10 +288,6 @@ def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, .
                      run_dir=_attempt_dir(work, attempt), supervisor_pid=os.getpid(),
                      python=sys.executable, base_env=os.environ, log_run_dir=log_run_dir,
                      attempt=attempt, restart_count=restart_count, agent_store=agent_store)
-    for spec in plan.ranks:
-        # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
-        # torchrun's agent creates attempt_<k>/<local rank>/ for every rank, so does this
-        os.makedirs(os.path.dirname(spec.env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
     if argv is not None:  # spawn(): every rank runs this command instead of the target
         plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
     return plan
@@ -367,13 +364,22 @@ def _unwritable(log_dir: str | None, exc: OSError) -> UsageError:
                       fix="point TMPDIR at a directory this user can write, or give --log-dir")
 
 
-def _drop_if_no_error_file(base: str) -> None:
+def _drop_if_no_error_file(base: str, budget_s: float = TIDY_BUDGET_S) -> None:
     """Keep the error-file tree when a rank wrote an error file (the report names it), remove it
-    when it holds nothing but empty rank directories: torchrun leaves one behind on every run."""
-    for _dirpath, _dirs, files in os.walk(base):
+    when it holds nothing but empty rank directories: torchrun leaves one behind on every run.
+    Within ``budget_s``: a slow disk takes milliseconds per directory, and the job's end must
+    not wait on tidying (what is left is the empty tree torchrun would leave)."""
+    deadline = time.monotonic() + budget_s
+    dirs = []
+    for dirpath, _dirs, files in os.walk(base):
         if files:
             return
-    shutil.rmtree(base, ignore_errors=True)
+        dirs.append(dirpath)
+    for path in reversed(dirs):  # the deepest first
+        if time.monotonic() >= deadline:
+            return
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def _run_id(config: LaunchConfig) -> str:

@@ -199,6 +199,12 @@ class Supervisor:
                       flush=True)
 
     def _start(self, spec: RankSpec) -> None:
+        # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
+        # torchrun's agent creates attempt_<k>/<local rank>/ for each rank it starts, so does
+        # this (only for ranks started: a stop during a long start has only those to remove)
+        error_file = spec.env.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            os.makedirs(os.path.dirname(error_file), exist_ok=True)
         status = StatusReader(spec.files.status)
         for path in (spec.files.error, spec.files.stacks, spec.files.fatal,
                      sample_paths(spec.files.stacks)[1]):
