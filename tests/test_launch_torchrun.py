@@ -253,6 +253,55 @@ def test_rank_outputs_follow_torchruns_redirect_tee_and_filter_rules() -> None:
                         quiet=False, attempt_dir="/l/a").stdout_file == "/l/a/1/stdout.log"
 
 
+def test_a_teed_stream_is_tagged_as_torchrun_tags_it() -> None:
+    """torchrun tags a tee'd stream's lines [<role><local rank>]: (its TailLog), on the console
+    and in the filtered-lines files, which only tee'd streams feed; gpuwarden's [rankN]: stays
+    on the streams torchrun would not tag at all."""
+    o = rank_outputs(rank=5, local_rank=1, redirects="0", tee="1", local_ranks_filter=None,
+                     quiet=False, attempt_dir="/l/a", role="trainer")
+    assert (o.prefix_of(False), o.prefix_of(True)) == (b"[trainer1]:", b"[rank5]: ")
+    assert (o.tee_out, o.tee_err) == (True, False)
+    t = rank_outputs(rank=5, local_rank=1, redirects="0", tee="3", local_ranks_filter=None,
+                     quiet=False, attempt_dir="/l/a", prefix_template="[${rank}/${local_rank}]:")
+    assert t.prefix_of(True) == b"[5/1]:"
+    # redirected only, hidden by --local-ranks-filter, or no log directory: nothing tee'd
+    for kw in ({"redirects": "3", "tee": "0"}, {"tee": "3", "local_ranks_filter": frozenset({0})},
+               {"tee": "3", "attempt_dir": None}):
+        args = {"rank": 1, "local_rank": 1, "redirects": "0", "local_ranks_filter": None,
+                "quiet": False, "attempt_dir": "/l/a", **kw}
+        n = rank_outputs(**args)  # type: ignore[arg-type]
+        assert not (n.tee_out or n.tee_err) and n.prefix_of(False) == b"[rank1]: "
+
+
+@pytest.mark.timeout(240)
+def test_tee_tags_and_duplicate_filters_are_torchruns(tmp_path: Path) -> None:
+    """torchrun itself, beside gpuwarden launch, the same flags: console lines of -t, and
+    filtered_stdout.log with -t (tagged matching lines) and without (empty)."""
+    script = tmp_path / "lines.py"
+    script.write_text("import os\nr = os.environ['RANK']\n"
+                      "print(f'loss 1 from rank {r}')\nprint(f'other from rank {r}')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["GPUWARDEN_SIMULATE"] = str(SCENARIOS / "nogpu.json")
+
+    def run(cmd: list[str], logs: Path, *flags: str) -> tuple[list[str], list[str]]:
+        done = subprocess.run([*cmd, "--nproc-per-node", "2", "--role", "trainer", "--log-dir",
+                               str(logs), "--duplicate-stdout-filters", "loss", *flags,
+                               str(script)], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=200)
+        assert done.returncode == 0, done.stderr
+        (filtered,) = logs.glob("*/attempt_0/filtered_stdout.log")
+        return sorted(done.stdout.splitlines()), sorted(filtered.read_text().splitlines())
+
+    torchrun = [str(Path(sys.executable).parent / "torchrun")]
+    theirs = run(torchrun, tmp_path / "t1", "-t", "3")
+    assert run([GPUWARDEN, "launch"], tmp_path / "g1", "-t", "3") == theirs
+    assert theirs[1] == ["[trainer0]:loss 1 from rank 0", "[trainer1]:loss 1 from rank 1"]
+    theirs = run(torchrun, tmp_path / "t2")
+    ours = run([GPUWARDEN, "launch"], tmp_path / "g2")
+    assert ours[1] == theirs[1] == []  # without -t torchrun's filters read nothing
+    assert sorted(line.split(": ", 1)[1] for line in ours[0]) == theirs[0]  # [rankN]: kept
+
+
 _wrappers: list[io.TextIOWrapper] = []  # a collected wrapper would close its BytesIO
 
 

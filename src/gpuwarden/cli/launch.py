@@ -322,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
         duplicate_stdout_filters=_filters(args.duplicate_stdout_filters),
         duplicate_stderr_filters=_filters(args.duplicate_stderr_filters),
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
         signals_to_handle=signals,
     )
 

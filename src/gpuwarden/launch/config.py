@@ -113,6 +113,9 @@ class LaunchConfig:
     local_ranks_filter: frozenset[int] | None = None
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
+    # torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the tag of a tee'd stream's lines
+    # (${role_name}, ${rank}, ${local_rank}); None: "[<role><local rank>]:"
+    log_line_prefix_template: str | None = None
     signals_to_handle: tuple[str, ...] = STOP_SIGNALS
     rdzv_id: str | None = None
 

@@ -115,7 +115,9 @@ class Supervisor:
                               tee=self.config.tee, local_ranks_filter=self.config.local_ranks_filter,
                               quiet=self.config.quiet, attempt_dir=plan.attempt_dir,
                               duplicate_stdout_filters=self.config.duplicate_stdout_filters,
-                              duplicate_stderr_filters=self.config.duplicate_stderr_filters)
+                              duplicate_stderr_filters=self.config.duplicate_stderr_filters,
+                              role=self.config.role,
+                              prefix_template=self.config.log_line_prefix_template)
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
