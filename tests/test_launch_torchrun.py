@@ -148,7 +148,8 @@ def test_rendezvous_flags_map_onto_the_jobs_store() -> None:
       "store_type=file"], "only the TCP store reaches other nodes"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "supports static and c10d"),
     (["--nnodes", "1:4"], "elastic membership"),
-    (["--logs-specs", "mine"], "custom torchrun LogsSpecs"),
+    (["--logs-specs", "mine"], "no installed package has the entry point 'mine' in the group "
+     "'torchrun.logs_specs' (installed there: default), so torchrun would fail too"),
     (["--no-python", "-m"], "contradict"),
     (["--nproc-per-node", "xpu"], "NVIDIA GPUs or CPU"),
     (["--local-ranks-filter", "a"], "not a list of local ranks"),
@@ -159,6 +160,37 @@ def test_torchrun_settings_gpuwarden_cannot_honour_are_refused(argv: list[str], 
     with pytest.raises(UsageError) as info:
         config(*argv, BEHAVE)
     assert words in info.value.what and info.value.exit_code == 2
+
+
+def test_logs_specs_names_the_entry_point_torchrun_would_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--logs-specs NAME said only "not supported": it names the class torchrun would load from
+    which package; torch's own "default" (DefaultLogsSpecs, the layout gpuwarden writes) runs."""
+    dist = tmp_path / "fancylogs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fancylogs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[torchrun.logs_specs]\nfancy = fancylogs:FancySpecs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError) as info:
+        config("--logs-specs", "fancy", BEHAVE)
+    assert info.value.what.startswith(
+        "--logs-specs fancy: torchrun would load fancylogs:FancySpecs (entry point 'fancy' of the "
+        "group 'torchrun.logs_specs', package fancylogs) into its agent"), info.value.what
+    assert config("--logs-specs", "default", BEHAVE).log_dir is None
+
+
+@pytest.mark.timeout(60)
+def test_numa_binding_is_refused_for_cpu_ranks_and_noted_on_gpus(
+        capsys: pytest.CaptureFixture[str], scenario, lease_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """torchrun binds each rank to its GPU's NUMA node and exits 1 for CPU ranks ('Torch not
+    compiled with CUDA enabled'); gpuwarden ran them."""
+    code, out, err = launch(capsys, "--numa-binding", "node", "-n", "2", BEHAVE, "lines", "1")
+    assert code == 2 and err.startswith("error[USAGE]: --numa-binding node: the ranks run on "
+                                        "CPU, and torchrun binds each rank"), err
+    scenario("two_gpu")
+    code, out, err = launch(capsys, "--numa-binding", "socket", "--gpus", "1", BEHAVE, "lines", "1")
+    assert code == 0, err
+    assert "gpuwarden: --numa-binding socket is not applied" in err
 
 
 def test_unknown_flag_gets_one_line_naming_launch_and_the_nearest_flag(

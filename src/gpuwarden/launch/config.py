@@ -116,6 +116,9 @@ class LaunchConfig:
     # torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the tag of a tee'd stream's lines
     # (${role_name}, ${rank}, ${local_rank}); None: "[<role><local rank>]:"
     log_line_prefix_template: str | None = None
+    # torchrun's --numa-binding (node, socket, exclusive, core-complex): binds a rank to its GPU's
+    # NUMA node there; not applied here yet, and refused for CPU ranks (torchrun fails on them)
+    numa_binding: str | None = None
     signals_to_handle: tuple[str, ...] = STOP_SIGNALS
     rdzv_id: str | None = None
 

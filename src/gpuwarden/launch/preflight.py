@@ -76,7 +76,11 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
         # (no --wait) or ever (more GPUs than visible).
         raise _more_ranks_than_gpus(now.error(), world, want)
-    return _take_gpus(want, constraints, config, world, visible, inventory)
+    taken = _take_gpus(want, constraints, config, world, visible, inventory)
+    if config.numa_binding:
+        taken.notes = (*taken.notes, f"--numa-binding {config.numa_binding} is not applied: "
+                       "ranks run on every CPU this launch may use")
+    return taken
 
 
 def _on_cpu(config: LaunchConfig, note: str) -> TakenGPUs:
@@ -85,6 +89,14 @@ def _on_cpu(config: LaunchConfig, note: str) -> TakenGPUs:
     from gpuwarden.launch.config import CPU_RANKS_PER_CORE, MIN_CPU_RANK_LIMIT
     from gpuwarden.launch.plan import cpu_count
 
+    if config.numa_binding:
+        raise UsageError(
+            f"--numa-binding {config.numa_binding}: the ranks run on CPU, and torchrun binds "
+            "each rank to the NUMA node of its GPU",
+            why="torchrun asks CUDA for the rank's GPU and fails (exit 1; 'Torch not compiled "
+            "with CUDA enabled' with a CPU-only torch)",
+            fix="leave --numa-binding out, or run on GPUs (numactl --cpunodebind=N in front of "
+            "the launch binds the whole job)")
     world = rank_count(config, 0)
     cores = cpu_count()
     limit = max(MIN_CPU_RANK_LIMIT, CPU_RANKS_PER_CORE * cores)
