@@ -313,3 +313,41 @@ def test_tidying_the_error_file_tree_is_bounded(tmp_path: Path) -> None:
     (base / "run_y" / "attempt_0" / "1" / "error.json").write_text("{}")
     _drop_if_no_error_file(str(base), budget_s=30.0)  # an error file: kept, the report names it
     assert (base / "run_y" / "attempt_0" / "1" / "error.json").exists()
+
+
+# ---- issue 36, item 14: the others stopped as promptly as torchrun stops them ----------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("error", "settles"), [
+    ("KeyError('lr')", False), ("SystemExit(3)", False),
+    ("RuntimeError('[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1')",
+     True),
+])
+def test_a_ranks_own_failure_stops_the_others_without_waiting(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        error: str, settles: bool) -> None:
+    """Every failure waited 0.25 s before the others got SIGTERM (for a rank that might be
+    leaving on its own: the cause of an echo). A rank's own error needs no such wait: torchrun's
+    0.1 s monitor stops the others once the failing rank has exited (bench_stop.py: ~0.7 s after
+    the raise here); gpuwarden now within milliseconds of it."""
+    settled: list[bool] = []
+    real = supervisor.Supervisor._settle
+
+    def record(self: supervisor.Supervisor) -> None:
+        settled.append(True)
+        real(self)
+
+    monkeypatch.setattr(supervisor.Supervisor, "_settle", record)
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "open(os.path.join(sys.argv[1], 'ready.' + os.environ['RANK']), 'w').close()\n"
+        "while len([n for n in os.listdir(sys.argv[1]) if n.startswith('ready.')]) < 2:\n"
+        "    time.sleep(0.01)\n"
+        "if os.environ['RANK'] == '1':\n"
+        f"    raise {error}\n"
+        "time.sleep(60)\n")
+    code = main(["launch", "-n", "2", str(script), str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code != 0 and "rank 0: pid" in err and "stopped by gpuwarden" in err, err
+    assert bool(settled) is settles, err
