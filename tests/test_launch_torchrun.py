@@ -115,6 +115,26 @@ def test_the_c10d_master_addr_is_this_hosts_name_as_torch_gives_it() -> None:
     assert choose_master_addr(config("--master-port", "29531", BEHAVE)) == ("127.0.0.1", ())
 
 
+def test_a_host_name_that_does_not_lead_here_is_not_given_to_the_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun would hand the ranks this host's name even when it resolves elsewhere (a stale
+    /etc/hosts line, a resolver that answers with a NAT's public address): they would wait to
+    connect until their timeout. gpuwarden gives localhost then, and says why."""
+    from gpuwarden import net
+    from gpuwarden.launch.preflight import choose_master_addr
+
+    monkeypatch.setattr(net, "host_fqdn", lambda **_: "box.example.invalid")
+    addr, notes = choose_master_addr(config(BEHAVE))
+    assert addr == "localhost" and "this host's name box.example.invalid resolves to " in notes[0]
+    monkeypatch.setattr(net, "resolve", lambda host, **_: net.Resolution(host, ("192.0.2.7",),
+                                                                          None, 0.0))
+    addr, notes = choose_master_addr(config(BEHAVE))
+    assert addr == "localhost" and "resolves to 192.0.2.7, not to an address of this host" \
+        in notes[0]
+    monkeypatch.setattr(net, "host_fqdn", lambda **_: None)  # the resolver did not answer
+    assert choose_master_addr(config(BEHAVE))[0] == "localhost"
+
+
 def test_pet_variables_are_read_as_torchrun_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"PET_NPROC_PER_NODE": "2", "PET_MAX_RESTARTS": "1", "PET_TEE": "3",
                         "PET_VIRTUAL_LOCAL_RANK": "1", "PET_ROLE": "r"}.items():

@@ -137,6 +137,17 @@ def host_fqdn(*, timeout_s: float = 2.0) -> str | None:
     return box.get("name") or None
 
 
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` is one of this host's (a socket can be bound to it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address.split("%")[0], 0))
+        return True
+    except OSError:
+        return False
+
+
 def probe_tcp(host: str, port: int, *, timeout_s: float = 3.0) -> ProbeResult:
     """Resolve ``host`` and try ``host:port`` (:func:`connect_tcp`), all within ``timeout_s``."""
     start = time.monotonic()

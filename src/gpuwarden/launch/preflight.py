@@ -165,6 +165,14 @@ def choose_master_addr(config: LaunchConfig) -> tuple[str, tuple[str, ...]]:
         return "localhost", (f"this host's name did not resolve within {FQDN_TIMEOUT_S:g} s: "
                              "MASTER_ADDR=localhost (torchrun would wait for the resolver and "
                              "give its answer)",)
+    found = net.resolve(name, timeout_s=RESOLVE_TIMEOUT_S)
+    if not any(net.is_local_address(a) for a in found.addresses):
+        # torchrun would hand the ranks this name, and they would wait to connect to a host
+        # that is not this one (or to nothing) until their timeout
+        where = ", ".join(found.addresses) or found.error or "no address"
+        return "localhost", (f"this host's name {name} resolves to {where}, not to an address "
+                             "of this host: MASTER_ADDR=localhost (torchrun would give the name "
+                             "and its ranks would wait to connect)",)
     return name, ()
 
 
