@@ -125,7 +125,8 @@ def _phase(row: dict[str, Any]) -> str:
     if phase == "collective":
         return f"in {row.get('op') or 'a collective'}"
     if phase == "rendezvous":
-        return "in rendezvous"
+        diag = row.get("diagnosis") or {}
+        return f"in rendezvous ({diag['code']})" if diag.get("code") else "in rendezvous"
     if phase == "exited":
         from gpuwarden.procs import describe_exit
 
@@ -208,6 +209,15 @@ def _job_section(job: dict[str, Any], launch: dict[str, Any]) -> Section:
                          escape_untrusted(str(row.get("where") or ""), WHERE_CHARS)])
         if row.get("rank") in odd:
             sec.marked.add(i)
+    stuck: dict[str, list[dict[str, Any]]] = {}
+    for row in launch.get("ranks", []):
+        if (row.get("diagnosis") or {}).get("code"):
+            stuck.setdefault(str(row["diagnosis"]["code"]), []).append(row)
+    for code, rows in stuck.items():
+        diag = rows[0]["diagnosis"]
+        sec.lines.append(("bold red", escape_untrusted(
+            f"rank(s) {_ranks([r.get('rank') for r in rows])} in rendezvous: {code}: "
+            f"{diag.get('what')}; rank {rows[0].get('rank')} printed: {diag.get('line')}", 600)))
     if straggler:
         sec.lines.append(("bold yellow", f"straggler: {escape_untrusted(straggler.get('text', ''), 600)}"))
     if stall:

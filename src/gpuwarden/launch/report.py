@@ -104,16 +104,55 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
     if outcome.stall is not None and not plan.config.keep_waiting:
         return stall_report(outcome, outcome.stall)
     if outcome.interrupted_by is not None:
-        signum = int(getattr(signal, outcome.interrupted_by, signal.SIGTERM))
-        return LaunchReport(
-            128 + signum, "LAUNCH_INTERRUPTED",
-            f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} rank(s)"
-            if len(outcome.pids) >= plan.world_size else
-            f"gpuwarden received {outcome.interrupted_by} while starting ranks and stopped the "
-            f"{len(outcome.pids)} of {plan.world_size} it had started",
-            evidence=[_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)])
+        return _interrupted_report(outcome)
     elapsed = outcome.ended_at - outcome.started_at
     return LaunchReport(0, None, f"{plan.world_size} rank(s) finished in {elapsed:.1f} s")
+
+
+def _interrupted_report(outcome: RunOutcome) -> LaunchReport:
+    """gpuwarden was asked to stop. When the ranks' own output says why they were stuck (a
+    rendezvous that retries an unknown MASTER_ADDR, a refused connection), the report says it:
+    an interrupt is often the user giving up on a job that waited silently."""
+    plan = outcome.plan
+    signum = int(getattr(signal, str(outcome.interrupted_by), signal.SIGTERM))
+    what = (f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} "
+            "rank(s)" if len(outcome.pids) >= plan.world_size else
+            f"gpuwarden received {outcome.interrupted_by} while starting ranks and stopped the "
+            f"{len(outcome.pids)} of {plan.world_size} it had started")
+    evidence = [_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)]
+    stuck = _stuck_before_interrupt(outcome)
+    if stuck is None:
+        return LaunchReport(128 + signum, "LAUNCH_INTERRUPTED", what, evidence=evidence)
+    diag, ranks = stuck
+    who = _ranks_by_node(outcome, ranks)
+    why = (f"before the interrupt, rank(s) {who} were stuck: {diag.what} ({diag.code}); "
+           f"{diag.why}")
+    if diag.evidence:
+        line = escape_untrusted(diag.evidence[-1].text.strip(), 500)
+        evidence.append(f"matched in rank {ranks[0]}'s output: {line}")
+    fields: dict[str, Any] = {"stuck": {"code": diag.code, "ranks": ranks,
+                                        "explain": dict(diag.fields)}}
+    return LaunchReport(128 + signum, "LAUNCH_INTERRUPTED", what, why, diag.fix, evidence,
+                        fields=fields)
+
+
+def _stuck_before_interrupt(outcome: RunOutcome) -> tuple[Diagnosed, list[int]] | None:
+    """explain's diagnosis of the first rank whose last stderr lines name a known failure
+    (RANK_FAILED, a launcher's wrapping, is not one), and every rank whose lines say the same."""
+    found: Diagnosed | None = None
+    ranks: list[int] = []
+    for e in sorted(outcome.exits.values(), key=_by_rank):
+        tail = e.stderr_before_stop or e.stderr_tail
+        if not tail:
+            continue
+        diag = _explain("\n".join(tail))
+        if diag is None or diag.code == "RANK_FAILED":
+            continue
+        if found is None:
+            found = diag
+        if diag.code == found.code:
+            ranks.append(e.rank)
+    return None if found is None else (found, ranks)
 
 
 def _job_by() -> str:

@@ -421,7 +421,24 @@ def _warn_cpu_once(why: str) -> None:
         return
     _warned_cpu = True
     warnings.warn(f"gpuwarden pool: no GPU, running CPU workers ({why})", CPUFallbackWarning,
-                  stacklevel=4)
+                  stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that points a warning raised by the caller of this function at the
+    user's line: the first frame outside gpuwarden and joblib. A fixed number pointed at
+    gpuwarden's own joblib backend when the pool came from ``Parallel(backend="gpuwarden")``
+    (or at a subclass's ``__init__``); ``warn(skip_file_prefixes=)`` needs Python 3.12."""
+    inside = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep]
+    joblib_file = getattr(sys.modules.get("joblib"), "__file__", None)
+    if isinstance(joblib_file, str):
+        inside.append(os.path.dirname(os.path.abspath(joblib_file)) + os.sep)
+    frame = sys._getframe(1)  # the function that calls warnings.warn: level 1
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(tuple(inside)):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 _live_pools: weakref.WeakSet[GPUPool] = weakref.WeakSet()
