@@ -26,6 +26,7 @@ from typing import Any
 from gpuwarden import net
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.inventory.snapshot import HostSnapshot
+from gpuwarden.mps import MpsState, mps_state
 
 TORCH_TIMEOUT_S = 20.0
 NET_TIMEOUT_S = 3.0
@@ -207,6 +208,7 @@ class Probes:
     read_shm: Callable[[], ShmInfo | None] = read_shm
     read_nofile: Callable[[], tuple[int, int]] = read_nofile
     hostname: Callable[[], str] = socket.gethostname
+    read_mps: Callable[[Mapping[str, str]], MpsState] = mps_state
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ class Facts:
     hostname_resolution: net.Resolution
     interfaces: dict[str, tuple[str, ...]]
     rendezvous: RendezvousFacts
+    mps: MpsState | None = None
 
 
 def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tuple[str, ...]]]
@@ -317,4 +320,4 @@ def gather(opts: Options, probes: Probes) -> Facts:
         return Facts(env=opts.env, host=host, host_error=host_error, torch=torch_f.result(),
                      shm=shm, nofile=nofile, hostname=hostname,
                      hostname_resolution=hostres_f.result(), interfaces=ifaces_f.result(),
-                     rendezvous=rdzv_f.result())
+                     rendezvous=rdzv_f.result(), mps=probes.read_mps(opts.env))
