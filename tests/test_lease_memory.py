@@ -257,8 +257,8 @@ def test_three_20gib_runs_share_gpu0_a_70gib_run_gets_gpu1_a_30gib_run_waits_its
         assert {label: p.returncode for label, p in runs.items()} == dict.fromkeys(runs, 0)
         err_a, err_d = results["a"][1], results["d"][1]
         assert "gpuwarden: leased 20.0 GiB of GPU 0: CUDA_VISIBLE_DEVICES=0" in err_a
-        assert "GPU 1: not taken: 78.6 GiB left, a looser fit than the GPU(s) taken, kept " \
-            "whole" in err_a
+        assert "GPU 1: not taken: 78.6 GiB left, as tight a fit as the GPU(s) taken, which " \
+            "come first, kept whole" in err_a
         assert "waiting for 30.0 GiB on 1 GPU" in err_d and "after" in err_d
     finally:
         for label, p in runs.items():

@@ -16,6 +16,7 @@ this costs one failed ``open`` where MPS does not run. Nothing here initializes 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +52,30 @@ def pipe_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(environ.get(PIPE_DIR_ENV) or DEFAULT_PIPE_DIR)
 
 
-def mps_state(env: Mapping[str, str] | None = None) -> MpsState:
-    """Whether the MPS control daemon of ``env``'s pipe directory runs on this host."""
-    where = pipe_dir(env)
+# A grant asks whether MPS runs; a daemon starts or stops rarely: an answer this recent is
+# reused (per pipe directory), so that a memory lease costs no extra open() in a hot loop.
+CACHE_S = 1.0
+_cache: dict[str, tuple[float, MpsState]] = {}
+
+
+def mps_state(env: Mapping[str, str] | None = None, *, max_age_s: float = 0.0) -> MpsState:
+    """Whether the MPS control daemon of ``env``'s pipe directory runs on this host; an answer
+    read at most ``max_age_s`` ago may be reused."""
+    environ = os.environ if env is None else env
+    key = environ.get(PIPE_DIR_ENV) or DEFAULT_PIPE_DIR
+    if max_age_s:
+        known = _cache.get(key)
+        if known is not None and time.monotonic() - known[0] < max_age_s:
+            return known[1]
+    state = _read_state(Path(key))
+    _cache[key] = (time.monotonic(), state)
+    return state
+
+
+def _read_state(where: Path) -> MpsState:
     try:
-        fd = os.open(where / PID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(os.path.join(where, PID_FILE),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return MpsState(False, where, detail=f"no {PID_FILE} in {where}")
     try:
@@ -87,7 +107,7 @@ def pinned_memory_env(memory_bytes: int, devices: int, *, thread_pct: int | None
     """The variables that hold an MPS client to ``memory_bytes`` on each of its ``devices``
     (its CUDA ordinals 0..devices-1), and to ``thread_pct`` percent of the SMs when given;
     empty where MPS does not run."""
-    if devices < 1 or not mps_state(env).running:
+    if devices < 1 or not mps_state(env, max_age_s=CACHE_S).running:
         return {}
     limit = max(1, memory_bytes // MIB)
     out = {PINNED_MEM_ENV: ",".join(f"{i}={limit}M" for i in range(devices))}

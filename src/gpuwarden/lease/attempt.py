@@ -278,8 +278,11 @@ def attempt(waiter: Waiter, gpus: Sequence[GPUSnapshot], *, will_wait: bool,
         try:
             for gpu in eligible:
                 if len(chosen) == (req.up_to if req.every_usable else req.gpus):
-                    states[gpu.uuid] = GpuState(gpu.index, gpu.uuid, gpu.label,
-                                                _not_needed(ledger, line, gpu, req), "free")
+                    fits = not memory or ledger.room(gpu, line.kept) >= req.memory_bytes
+                    states[gpu.uuid] = GpuState(
+                        gpu.index, gpu.uuid, gpu.label,
+                        _not_needed(ledger, line, gpu, req, [g for g, _t in chosen]),
+                        "free" if fits else "leased")
                     continue
                 gl = locks[gpu.uuid]
                 assert gl.lock_file is not None
@@ -385,7 +388,7 @@ class _Ledger:
     def room(self, gpu: GPUSnapshot, kept: Mapping[str, int]) -> int:
         """What a memory request may take on ``gpu`` now: its room, less what earlier
         requests in line are about to take there."""
-        return self.budget(gpu).room_bytes - kept.get(gpu.uuid, 0)
+        return self.budget(gpu).room_bytes - (kept.get(gpu.uuid, 0) if kept else 0)
 
     def shared(self, gpu: GPUSnapshot, kept: Mapping[str, int]) -> bool:
         """Memory leases are on ``gpu``, or an earlier memory request is about to take some."""
@@ -433,15 +436,18 @@ def _taken_reason(ledger: _Ledger, line: _Line, gpu: GPUSnapshot, req: LeaseRequ
             f"{format_bytes(room - req.memory_bytes)} left after it: the tightest fit")
 
 
-def _not_needed(ledger: _Ledger, line: _Line, gpu: GPUSnapshot, req: LeaseRequest) -> str:
+def _not_needed(ledger: _Ledger, line: _Line, gpu: GPUSnapshot, req: LeaseRequest,
+                taken: Sequence[GPUSnapshot]) -> str:
     if not req.memory_bytes:
         return "free (not needed)"
     room = ledger.room(gpu, line.kept)
     if room < req.memory_bytes:
-        return f"not needed ({format_bytes(room)} left)"
+        return f"{format_bytes(req.memory_bytes)} does not fit: {format_bytes(room)} left"
     whole = "" if ledger.budget(gpu).shares else ", kept whole"
-    return (f"not taken: {format_bytes(room)} left, a looser fit than the GPU(s) taken"
-            f"{whole}")
+    tightest = max((ledger.room(g, line.kept) for g in taken), default=room)
+    fit = "a looser fit than the GPU(s) taken" if room > tightest else \
+        "as tight a fit as the GPU(s) taken, which come first"
+    return f"not taken: {format_bytes(room)} left, {fit}{whole}"
 
 
 def _shared_blocks(ledger: _Ledger, line: _Line, gpu: GPUSnapshot, req: LeaseRequest

@@ -257,18 +257,20 @@ def _dir_error(directory: Path, exc: OSError) -> LeaseDirError:
 
 def _not_served(req: LeaseRequest, status: WaitStatus, wait_s: float) -> Exception:
     evidence = [g.line() for g in status.gpus]
+    fewer = "less memory (--mem) or fewer GPUs" if req.memory_bytes else \
+        "fewer GPUs or slots"
     if wait_s > 0:
         return LeaseTimeoutError(
             f"waited {format_duration(status.waited_s)} for {req.describe()} and was not served",
             why=status.blockers(),
-            fix="wait longer (--wait), ask for fewer GPUs or slots, or see who holds them "
+            fix=f"wait longer (--wait), ask for {fewer}, or see who holds them "
             "with `gpuwarden leases`",
             evidence=evidence)
     return LeaseUnavailableError(
         f"{req.describe()} cannot be leased now",
         why=status.blockers(),
         fix="wait in line for them (gpuwarden run --wait 10m, or lease(..., wait='10m')), "
-        "ask for fewer GPUs or slots, or see who holds them with `gpuwarden leases`",
+        f"ask for {fewer}, or see who holds them with `gpuwarden leases`",
         evidence=evidence)
 
 

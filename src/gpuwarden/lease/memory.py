@@ -21,6 +21,7 @@ Nothing here reads a file or a process: callers pass the facts, tests pass their
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,11 +75,11 @@ class GpuBudget:
     def capacity_bytes(self) -> int:
         return max(0, self.total_bytes - self.reserve_bytes)
 
-    @property
+    @functools.cached_property
     def leased_bytes(self) -> int:
         return sum(s.counted_bytes for s in self.shares)
 
-    @property
+    @functools.cached_property
     def room_bytes(self) -> int:
         """What a new memory lease may take now."""
         if self.whole is not None:
