@@ -3,7 +3,6 @@ guard (issue 41). Real processes, real lock files; the simulated host of tests/s
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -443,7 +442,7 @@ def _violations(records: list[dict[str, Any]], capacity: int) -> list[str]:
         return mem if mem else capacity if k == 1 or len(slots) == k else len(slots) * capacity // k
 
     for uuid, items in per_gpu.items():
-        for s1, e1, k1, sl1, m1, p1 in items:
+        for s1, _e1, k1, sl1, m1, p1 in items:
             active = [(k, sl, m, p) for s, e, k, sl, m, p in items if s <= s1 < e]
             used = sum(share(k, sl, m) for k, sl, m, _p in active)
             if used > capacity:
