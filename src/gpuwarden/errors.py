@@ -86,6 +86,9 @@ GPUWARDEN_CODES = {
     "control endpoint (a 0700 directory)",
     "JOB_UNREACHABLE": "a running launch did not answer `gpuwarden status`/`stacks` in time (its "
     "launcher is busy, stopped, or ending)",
+    "LEASE_MEMORY_EXCEEDED": "a process (with its children) uses more GPU memory than its "
+    "memory lease (`--mem`): named by the holder, `ls`, `leases` and `status`; ended with "
+    "`--mem-enforce stop`",
     "NODE_LOST": "a node of a multi-node job went silent in the job's store (its host, network or "
     "launcher died); the others stopped, and restart without it when --max-restarts allows",
 }

@@ -95,6 +95,13 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--min-free", metavar="SIZE", default="0", help="minimum free memory per GPU")
     g.add_argument("--wait", metavar="DURATION", default=None,
                    help="wait up to DURATION for enough usable GPUs (e.g. 10m)")
+    g.add_argument("--mem-per-rank", metavar="SIZE", default=None,
+                   help="lease SIZE of each rank's GPU (e.g. 20GiB) instead of the whole GPU: "
+                   "GPUs are shared by memory with other leases, and a rank whose processes use "
+                   "more is named (docs/leases.md, Memory leases)")
+    g.add_argument("--mem-enforce", choices=("warn", "stop"), default=None,
+                   help="with --mem-per-rank, when a rank uses more: warn (default: name it on "
+                   "stderr and in `gpuwarden status`) or stop the job (LEASE_MEMORY_EXCEEDED)")
 
     g = p.add_argument_group("failures and stalls")
     g.add_argument("--stall-timeout", metavar="DURATION", default="5m",
@@ -232,7 +239,7 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from gpuwarden.cli._args import min_free_bytes
+    from gpuwarden.cli._args import memory_size, min_free_bytes
     from gpuwarden.launch.config import STOP_SIGNALS, LaunchConfig
     from gpuwarden.units import parse_duration
 
@@ -289,6 +296,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         bind=bind,
         min_free_bytes=min_free_bytes(args.min_free),
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,
+        mem_per_rank_bytes=memory_size("--mem-per-rank")(args.mem_per_rank)
+        if args.mem_per_rank else 0,
+        mem_enforce=args.mem_enforce or "warn",
         stall_timeout_s=parse_duration(args.stall_timeout, what="--stall-timeout"),
         keep_waiting=args.keep_waiting,
         straggler_note=args.straggler_note,

@@ -72,6 +72,10 @@ class LaunchConfig:
     bind: str = ""  # "": "all", or "rank" with --share (CUDA refuses one GPU named twice)
     min_free_bytes: int = 0
     wait_s: float | None = None
+    # --mem-per-rank: a memory lease of this many bytes on each rank's GPU (0: whole GPUs), and
+    # what the launcher does when a rank's processes use more (--mem-enforce: warn or stop).
+    mem_per_rank_bytes: int = 0
+    mem_enforce: str = "warn"
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     keep_waiting: bool = False
     straggler_note: bool = True  # one stderr line when a straggler persists (launch/watch/straggler.py)
@@ -183,6 +187,16 @@ def _validate(c: LaunchConfig) -> None:
             f"-n {c.nproc} and --gpus {c.gpus} disagree: gpuwarden runs one rank per GPU",
             fix=f"give only one of them, or --share to put {c.nproc} ranks on {c.gpus} GPU(s)",
         )
+    if c.mem_per_rank_bytes and (c.cpu or c.share):
+        raise UsageError(f"--mem-per-rank with {'--cpu' if c.cpu else '--share'}: a memory "
+                         "lease is a share of one GPU per rank",
+                         fix="drop one of them (--share puts ranks together on whole GPUs)")
+    if c.mem_enforce not in ("warn", "stop"):
+        raise UsageError(f"--mem-enforce {c.mem_enforce!r} is not 'warn' or 'stop'",
+                         fix="--mem-enforce warn (name it) or stop (end the job)")
+    if c.mem_enforce == "stop" and not c.mem_per_rank_bytes:
+        raise UsageError("--mem-enforce without --mem-per-rank",
+                         fix="gpuwarden launch --mem-per-rank 20GiB --mem-enforce stop ...")
     if c.bind not in ("rank", "all"):
         raise UsageError(f"--bind {c.bind!r} is not 'rank' or 'all'", fix="--bind all (default) or rank")
     if c.bind == "all" and c.share:

@@ -141,6 +141,8 @@ class RunOutcome:
     stopped_for: str | None = None
     job_failure: dict[str, Any] | None = None  # the round's first failure, as the job's store has it
     own_record: dict[str, Any] | None = None  # this node's first failure, as offered to it
+    # stopped_for "memory" (--mem-enforce stop): the LEASE_MEMORY_EXCEEDED finding, as a dict
+    memory_stop: dict[str, Any] | None = None
 
 
 # ---- the report -------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuwarden.errors import (
     ConstraintError,
@@ -34,6 +34,7 @@ class TakenGPUs:
     gpus: tuple[GPUSnapshot, ...]
     notes: tuple[str, ...] = ()
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    grant: Any = field(default=None, repr=False)  # the lease (a memory lease's guard reads it)
 
     def release(self) -> None:
         if self._release is not None:
@@ -64,13 +65,18 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     if not visible and config.gpus is None:
         return _on_cpu(config, "no GPU visible: ranks run on CPU (gloo)")
 
-    probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes))
+    # A memory lease shares its GPU: other processes there count by their memory (the lease
+    # manager's accounting), not as a reason to refuse it.
+    shared = bool(config.mem_per_rank_bytes)
+    probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes,
+                                        allow_shared=shared))
     usable = len(probe.acceptable)
     world = rank_count(config, usable)
     want = config.explicit_gpu_count or world
     if config.share:
         want = min(want, max(usable, 1))
-    constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes)
+    constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes,
+                              allow_shared=shared)
     now = select(visible, constraints)
     if not now.satisfied and (not config.wait_s or want > len(visible)):
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
@@ -127,10 +133,18 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
             grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
                             constraints=constraints, label=f"gpuwarden launch {config.target}",
                             visible=visible, inventory=inventory,
-                            on_wait=printer if config.wait_s else None)
+                            on_wait=printer if config.wait_s else None,
+                            mem=config.mem_per_rank_bytes or None)
     except ConstraintError as exc:
         raise _more_ranks_than_gpus(exc, world, count) from exc
-    return TakenGPUs(tuple(grant.gpus), (), grant.release)
+    notes: tuple[str, ...] = ()
+    if config.mem_per_rank_bytes:
+        from gpuwarden.units import format_bytes
+
+        notes = (f"leased {format_bytes(config.mem_per_rank_bytes)} of GPU(s) "
+                 f"{grant.visible_devices}, one rank each (--mem-per-rank; --mem-enforce "
+                 f"{config.mem_enforce})",)
+    return TakenGPUs(tuple(grant.gpus), notes, grant.release, grant)
 
 
 def _more_ranks_than_gpus(exc: ConstraintError, world: int, count: int) -> ConstraintError:

@@ -94,6 +94,8 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
     job = outcome.job_failure
     if job is not None and job.get("by") != _job_by() and job.get("kind") != "membership":
         return _node_aborted_report(outcome)  # the job's first failure is another node's
+    if outcome.stopped_for == "memory" and outcome.memory_stop is not None:
+        return _memory_report(outcome, outcome.memory_stop)
     if outcome.stopped_for is not None and all(is_echo(e) for e in failures):
         return _node_aborted_report(outcome)  # another node failed first: say which
     root = root_cause(list(outcome.exits.values()))
@@ -153,6 +155,15 @@ def _stuck_before_interrupt(outcome: RunOutcome) -> tuple[Diagnosed, list[int]] 
         if diag.code == found.code:
             ranks.append(e.rank)
     return None if found is None else (found, ranks)
+
+
+def _memory_report(outcome: RunOutcome, finding: dict[str, Any]) -> LaunchReport:
+    """--mem-enforce stop: the job was stopped because a rank used more than its lease."""
+    evidence = [str(e) for e in finding.get("evidence", [])]
+    evidence += [_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)]
+    return LaunchReport(1, "LEASE_MEMORY_EXCEEDED", f"stopped: {finding.get('what')}",
+                        why=finding.get("why"), fix=finding.get("fix"), evidence=evidence,
+                        fields=dict(finding.get("fields") or {}))
 
 
 def _job_by() -> str:

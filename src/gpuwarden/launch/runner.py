@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwarden.errors import UsageError
 from gpuwarden.launch.config import LaunchConfig, needs_log_files
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from gpuwarden.launch.multinode.node_agent import NodeAgent, Round
     from gpuwarden.launch.multinode.rendezvous import RendezvousPreflight
     from gpuwarden.launch.restart.policy import RestartPolicy
+    from gpuwarden.launch.watch.memory import MemoryWatch
     from gpuwarden.launch.watch.stall import Stall
 
 
@@ -94,6 +95,7 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
             made_log_dir = log_run_dir
         taken = take_gpus(config, inventory)
         notes = [*addr_notes, *taken.notes]
+        memory = _memory_watch(config, taken, inventory)
         if log_run_dir != errors_only:
             notes.append(f"log directory: {log_run_dir}")
         ran = True
@@ -108,7 +110,8 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
                                  log_run_dir=log_run_dir, argv=argv)
             for note in (*notes, *(plan.notes if attempt == 0 else ())):
                 print(f"gpuwarden: {note}", file=err)
-            return _supervise(plan, stdout, stderr, err, inherit_stdin=argv is None)
+            return _supervise(plan, stdout, stderr, err, inherit_stdin=argv is None,
+                              memory=memory)
 
         if not config.max_restarts:
             return run_attempt(0, 0, taken.gpus, tuple(notes))
@@ -309,11 +312,23 @@ def _attempt_dir(work: str, attempt: int) -> str:
     return path
 
 
+def _memory_watch(config: LaunchConfig, taken: Any, inventory: Inventory | None
+                  ) -> MemoryWatch | None:
+    """--mem-per-rank: the guard of the launch's memory lease (launch/watch/memory.py)."""
+    if not config.mem_per_rank_bytes or taken.grant is None:
+        return None
+    from gpuwarden.inventory import Inventory
+    from gpuwarden.launch.watch.memory import MemoryWatch
+
+    return MemoryWatch(taken.grant, inventory or Inventory.from_env(), config.mem_enforce)
+
+
 def _supervise(plan: LaunchPlan, stdout: TextIO | None, stderr: TextIO | None,
                err: TextIO, *, inherit_stdin: bool = True,
-               job: JobRound | None = None) -> tuple[LaunchReport, RunOutcome]:
+               job: JobRound | None = None,
+               memory: MemoryWatch | None = None) -> tuple[LaunchReport, RunOutcome]:
     supervisor = Supervisor(plan, stdout=stdout, stderr=stderr, inherit_stdin=inherit_stdin,
-                            job=job, serve=serve)
+                            job=job, serve=serve, memory=memory)
 
     def on_stall(stall: Stall) -> None:
         print(stall_report(supervisor.outcome(stall.detected_at), stall).render()

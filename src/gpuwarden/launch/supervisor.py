@@ -56,6 +56,7 @@ from gpuwarden.launch.watch.straggler import Straggler, decide_straggler
 if TYPE_CHECKING:
     from gpuwarden.launch.multinode.job_store import JobRound
     from gpuwarden.launch.multinode.peers import PeerFiles
+    from gpuwarden.launch.watch.memory import MemoryWatch
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
@@ -101,7 +102,8 @@ class Supervisor:
 
     def __init__(self, plan: LaunchPlan, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
                  poll_interval_s: float = 0.05, inherit_stdin: bool = True,
-                 job: JobRound | None = None, serve: Serve | None = None) -> None:
+                 job: JobRound | None = None, serve: Serve | None = None,
+                 memory: MemoryWatch | None = None) -> None:
         self.plan = plan
         # torchrun's ranks read the launcher's stdin (pdb, piped input); spawn()'s, as
         # multiprocessing's children, read nothing.
@@ -154,6 +156,9 @@ class Supervisor:
         self.straggler: Straggler | None = None  # the latest verdict (launch/watch/straggler.py)
         self._straggler_since: float | None = None
         self._straggler_said = False
+        # --mem-per-rank: the lease's memory guard (launch/watch/memory.py), polled in the loop
+        self._memory = memory if memory is not None and memory.active else None
+        self._memory_stop: dict[str, Any] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -182,7 +187,7 @@ class Supervisor:
         return RunOutcome(self.plan, self._started, now, exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
                           self._interrupt, self.peers, self._stopped_for, self._job_failure,
-                          self._own_record)
+                          self._own_record, self._memory_stop)
 
     def _start_ranks(self) -> None:
         """Start the plan's ranks. A stop signal (Ctrl-C, SIGTERM) ends the starting: the loop
@@ -235,6 +240,7 @@ class Supervisor:
     def _loop(self) -> None:
         next_sample = 0.0
         next_adopt = time.monotonic() + ADOPT_CHECK_S
+        next_memory = 0.0
         while True:
             self._pump(self.poll_interval_s)
             self._reap_exited()
@@ -258,7 +264,10 @@ class Supervisor:
                         if st is not None and st.phase is Phase.FAILED:
                             self._failing.add(r.spec.rank)
                             failed = True
-                if self._interrupt is not None or failed:
+                if self._memory is not None and now >= next_memory and not failed:
+                    next_memory = now + self._memory.interval_s
+                    self._check_memory()
+                if self._interrupt is not None or failed or self._stopped_for == "memory":
                     self._begin_stop()
                 elif now >= next_sample:
                     next_sample = now + self.sample_interval_s
@@ -332,6 +341,17 @@ class Supervisor:
         while time.monotonic() < deadline:
             self._pump(0.02)
             self._reap_exited()
+
+    def _check_memory(self) -> None:
+        """A rank (with its children) using more GPU memory than the lease: named on stderr;
+        with --mem-enforce stop, the job stops for it (LEASE_MEMORY_EXCEEDED)."""
+        assert self._memory is not None
+        lines, stop = self._memory.check()
+        for line in lines:
+            print(line, file=self.err, flush=True)
+        if stop is not None and self._stopped_for is None:
+            self._stopped_for = "memory"
+            self._memory_stop = stop
 
     def _check_placement(self) -> None:
         """Ranks crowding one GPU (a script without set_device): say so once, with the fix."""
