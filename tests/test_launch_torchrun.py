@@ -326,6 +326,7 @@ def test_a_teed_stream_is_tagged_as_torchrun_tags_it() -> None:
         assert not (n.tee_out or n.tee_err) and n.prefix_of(False) == b"[rank1]: "
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tee_tags_and_duplicate_filters_are_torchruns(tmp_path: Path) -> None:
     """torchrun itself, beside gpuwarden launch, the same flags: console lines of -t, and
@@ -581,6 +582,7 @@ def test_head_1_ends_the_job_without_a_traceback(tmp_path: Path) -> None:
     assert "status=0" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["static", "pet-c10d"])
 def test_master_addr_is_torchruns_in_either_rendezvous(tmp_path: Path, mode: str) -> None:

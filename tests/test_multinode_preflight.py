@@ -74,6 +74,7 @@ def test_unresolvable_master_addr_is_rdzv_dns_at_once(hosts: Hosts) -> None:
     assert elapsed < STARTUP_S
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_firewall_dropping_the_port_is_connect_timeout_within_window(hosts: Hosts) -> None:
