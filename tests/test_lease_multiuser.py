@@ -636,7 +636,11 @@ def test_every_request_answers_in_time_whatever_is_planted(mallory, scenario, mo
             assert "GPU0 leased by pid" in exc.render() and mallory.name in exc.render()
             code, out, _took = gpuwarden("leases")
             assert code == 0 and "Traceback" not in out, out
-            assert f"more record(s) of {mallory.name} not read" in out, out
+            # The listing says it left records out: hers by name when its scan got as far as
+            # counting them per user, or the whole listing as partial when its 0.25 s budget
+            # ran out while it was still learning the names (a loaded machine: after 64).
+            assert f"more record(s) of {mallory.name} not read" in out \
+                or "holds more than one listing reads: this listing is partial" in out, out
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -195,11 +195,14 @@ def test_the_straggler_is_named_within_30_s_and_status_json_has_its_schema(job: 
     straggler = launch["straggler"]
     assert straggler["rank"] == 2 and straggler["waited_by"] == [0, 1, 3], straggler
     assert straggler["waits_in"] == "all_reduce", straggler
-    # The others lose most of their time to it: each waits in all_reduce in most of its own
-    # samples, rank 2 in few of its. (Not `share`, the ticks in which every rank's stack
-    # came in time and the others waited: a rank's sampling thread answers late on a loaded
-    # machine, the tick then has no sample of it, and share was 0.46 at load average 15.)
-    assert straggler["others_wait_share"] >= 0.5 and straggler["own_wait_share"] < 0.5, straggler
+    # The others lose their time to it: they wait in all_reduce in more of their own samples
+    # than rank 2 does in its, which is under half. Compared with each other, not with a fixed
+    # share: the rest of a step (the collective, Python) takes longer on a loaded machine while
+    # rank 2's sleep does not, so the others' share shrinks with the load (0.9 quiet, under
+    # 0.5 at load average 25). Not `share` either, the ticks in which every rank's stack came in
+    # time: a rank's sampling thread answers late on a loaded machine (0.46 at load 15).
+    assert straggler["own_wait_share"] < 0.5, straggler
+    assert straggler["others_wait_share"] > straggler["own_wait_share"], straggler
     assert "in <module> at straggler.py:" in straggler["doing"]
     assert named_after < STRAGGLER_WITHIN_S, f"named {named_after:.1f} s after the first step"
     assert doc["schema_version"] == 1 and isinstance(doc["host"], str)
