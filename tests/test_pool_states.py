@@ -219,6 +219,26 @@ def test_shutdown_with_cancel_cancels_the_queued_and_fails_a_requeued_one() -> N
     assert first.state is TaskState.RESERVED  # taken before the shutdown: it still runs
 
 
+def test_a_resolve_owes_the_notification_exactly_for_tasks_never_set_running() -> None:
+    """Every way a task ends without having been handed to a worker (cancelled by shutdown,
+    failed by a broken pool) tells the manager to notify a cancellation; a task that was set
+    running (reserved, sent) never is: set_running_or_notify_cancel() runs once per future."""
+    h = Harness(workers=1, gpus=1)  # the worker is still starting
+    reserved, queued, owner_cancelled = h.submit(3)
+    assert reserved.future_running and reserved.state is TaskState.RESERVED
+    assert owner_cancelled.future.cancel()
+    h.core.break_(RuntimeError("initializer failed"))
+    resolves = [a for a in h.core.actions if isinstance(a, Resolve)]
+    assert {a.task.id: a.notify for a in resolves} == {
+        reserved.id: False, queued.id: True, owner_cancelled.id: True}
+    h2 = Harness(workers=1, gpus=1)
+    h2.start_all()
+    running, waiting = h2.submit(2)
+    h2.core.shutdown(cancel=True, kill=False, deadline=None)
+    [cancel] = [a for a in h2.core.actions if isinstance(a, Resolve)]
+    assert cancel.task is waiting and cancel.cancel and cancel.notify
+
+
 def test_shutdown_runs_the_queue_then_stops_the_workers() -> None:
     h = Harness(workers=1, gpus=1)
     h.start_all()

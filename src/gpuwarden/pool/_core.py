@@ -147,12 +147,16 @@ class KillServer:
 @dataclass(frozen=True)
 class Resolve:
     """Settle ``task``'s future: ``value`` is the result, or the exception when ``failed``;
-    ``cancel`` cancels it instead."""
+    ``cancel`` cancels it instead. ``notify``: the pool never called the future's
+    ``set_running_or_notify_cancel()``; if the future ends up cancelled (here, or by its
+    owner before), that call is still owed: ``concurrent.futures.wait()`` and
+    ``as_completed()`` see a cancelled future only once it is made."""
 
     task: Task
     value: Any = None
     failed: bool = False
     cancel: bool = False
+    notify: bool = False
 
 
 Action = StartWorker | SendTask | StopWorker | KillWorker | StartServer | KillServer | Resolve
@@ -573,7 +577,9 @@ class Core:
 
     def _fail(self, task: Task, error: BaseException) -> None:
         task.state = TaskState.FAILED
-        self.actions.append(Resolve(task, error, failed=True))
+        # A queued task failing (a broken pool) may have been cancelled by its owner: the
+        # failure cannot be set then, and the cancellation is still to be notified.
+        self.actions.append(Resolve(task, error, failed=True, notify=not task.future_running))
 
     def _cancel_or_fail(self, task: Task, kind: str) -> None:
         """A task that never ran is cancelled; one whose future is already RUNNING (a
@@ -582,7 +588,7 @@ class Core:
             self._fail(task, self.make_error(Fault(kind, task)))
         else:
             task.state = TaskState.CANCELLED
-            self.actions.append(Resolve(task, cancel=True))
+            self.actions.append(Resolve(task, cancel=True, notify=True))
 
 
 def _gpu_key(worker: Worker) -> str:
