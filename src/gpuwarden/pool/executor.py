@@ -29,6 +29,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.errors import ConstraintError, GpuwardenError, PoolError, UsageError
@@ -83,6 +84,16 @@ def _value(value: Any) -> str:
     if type(value) in (str, bytes) and len(value) <= 40:
         return repr(value)
     return f"<{type(value).__name__}>"
+
+
+@dataclass(frozen=True)
+class _LeaseTerms:
+    """What a pool's GPUs were leased under, to lease the same ones again (GPUPool._unpark)."""
+
+    min_free: int | str | None
+    allow_shared: bool
+    label: str
+    inventory: Inventory | None
 
 
 class _Chunk:
@@ -184,6 +195,9 @@ class GPUPool(Executor):
         self._spread = workers_per_gpu is None
         self._per_gpu = 1 if workers_per_gpu is None else workers_per_gpu
         self._grants: list[Grant] = []
+        # Kept to lease the same GPUs again after _park (the joblib backend's idle pool).
+        self._lease_terms = _LeaseTerms(min_free, allow_shared, label, inventory)
+        self._parked = False
         self._taken = self._take(gpus, max_workers, min_free, allow_shared, wait, label,
                                  inventory)
         try:
@@ -287,6 +301,16 @@ class GPUPool(Executor):
         return self._gpus
 
     @property
+    def holds_gpus(self) -> bool:
+        """Whether the pool holds its GPUs' lease now (a parked pool's workers keep their GPU
+        pinning but hold nothing: see :meth:`_park`)."""
+        return bool(self._gpus) and not self._parked
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    @property
     def n_workers(self) -> int:
         return len(self._slots)
 
@@ -366,6 +390,86 @@ class GPUPool(Executor):
                 self._box.put_locked("shutdown", cancel_futures, kill_workers, deadline)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def _park(self) -> bool:
+        """Release the GPUs' lease but keep the workers, when none of the pool's processes
+        holds a context on any of its GPUs (NVML lists none of them): they then hold nothing
+        another job could want. Whether it parked; False leaves the pool as it was (the
+        caller shuts it down). For the joblib backend's warm pool, idle: GPUs are released
+        soon, while the workers, with what their tasks imported, outlive the lease as loky's
+        do. Only an idle pool is parked (no task in it), and :meth:`_unpark` is called before
+        it runs another task."""
+        if self._parked:
+            return True
+        if self._gpus:
+            if self._holds_gpu_context():
+                return False
+            try:
+                self._taken.release()
+            except GpuwardenError as exc:
+                log.warning("releasing the pool's GPUs failed: %s", exc)
+                return False
+        self._parked = True
+        _export_step()
+        return True
+
+    def _unpark(self) -> bool:
+        """Lease the parked pool's GPUs again (the same GPUs, every slot, no waiting), so that
+        its workers, pinned to them, may run tasks. Whether it did; False when another job
+        took one meanwhile (the caller shuts the pool down and starts another)."""
+        if not self._parked:
+            return True
+        if self._gpus:
+            from gpuwarden.lease.grant import make_request
+            from gpuwarden.pool.gpus import take_gpus
+
+            terms = self._lease_terms
+            uuids = [g.uuid for g in self._gpus]
+            min_free_bytes = make_request(1, min_free=terms.min_free).constraints.min_free_bytes
+            try:
+                taken = take_gpus(uuids, self._per_gpu, min_free_bytes=min_free_bytes,
+                                  allow_shared=terms.allow_shared, wait=None,
+                                  label=terms.label, inventory=terms.inventory)
+            except GpuwardenError:
+                return False
+            if sorted(g.uuid for g in taken.gpus) != sorted(uuids):
+                taken.release()
+                return False
+            # The workers' job-step variable names this process and these GPUs' slots (every
+            # slot of each), which the new lease holds again: it stays true.
+            self._taken = taken
+            self._grants = [taken.grant] if taken.grant is not None else []
+        self._parked = False
+        _export_step()
+        return True
+
+    def _holds_gpu_context(self) -> bool:
+        """Whether a process of this pool (a worker, or what a task started: everything under
+        the process server) is on one of its GPUs, as NVML (or the simulated host) says; True
+        when that cannot be told (no reading, or NVML's pids are of another PID namespace)."""
+        from gpuwarden.inventory import Inventory
+
+        inventory = self._lease_terms.inventory or Inventory.from_env()
+        try:
+            host = inventory.read_host()
+        except GpuwardenError:
+            return True
+        mine = {g.uuid for g in self._gpus}
+        on_them = [p for g in host.gpus if g.uuid in mine for p in g.processes]
+        if not on_them:
+            return False
+        if any(p.note and "namespace" in p.note for p in on_them):
+            return True
+        server = self._manager.server
+        if server is None:
+            return True
+        import psutil
+
+        try:
+            tree = {c.pid for c in psutil.Process(server.pid).children(recursive=True)}
+        except psutil.Error:
+            return True
+        return any(p.pid in tree for p in on_them)
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:
@@ -449,7 +553,7 @@ def _wait_for_closing_pools() -> bool:
     """Wait (bounded) for this process's pools that are shutting down and still hold GPUs;
     whether there were any."""
     closing = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p._shutdown
-               and p.gpus and p._thread.is_alive()]
+               and p.holds_gpus and p._thread.is_alive()]
     for pool in closing:
         pool._thread.join(2 * _core.STOP_GRACE_S + SERVER_EXIT_WAIT_S)
     return bool(closing)
@@ -464,7 +568,7 @@ def _release_idle_warm_pool() -> None:
 
 def _blame_own_pools(exc: ConstraintError) -> None:
     """Say so in ``exc`` when this process's own pools hold GPUs that were refused."""
-    mine = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p.gpus]
+    mine = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p.holds_gpus]
     if not mine:
         return
     held = ", ".join(f"{g.label} by {p!r}" for p in mine for g in p.gpus)
