@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="cap PyTorch's allocator in each worker at F of its GPU "
                    "(torch.cuda.set_per_process_memory_fraction), e.g. 0.45 with K=2")
+    p.add_argument("--mem-per-worker", default=None, metavar="SIZE",
+                   help="lease K x SIZE of each GPU (a memory lease, shared with other leases "
+                   "of the host by memory) instead of the whole GPU, e.g. 6GiB")
     p.add_argument("--wait", default=None, metavar="DURATION",
                    help="wait in line this long for the GPUs, e.g. 10m, inf (default: exit 4 "
                    "when they are not free)")
@@ -78,7 +81,25 @@ def _gpus(text: str) -> int | str:
         raise UsageError(f"--gpus {text!r}: expected a count or 'all'", fix="--gpus 2") from None
 
 
+# Variables `gpuwarden worker` sets in its own process for the processes it starts; given back
+# when it returns, so that main(["worker", ...]) embedded in a program (or a test) leaves the
+# program's environment as it was (the suite found CUDA_VISIBLE_DEVICES='' left behind).
+_OWN_ENV = ("CUDA_VISIBLE_DEVICES", "DASK_LOGGING__DISTRIBUTED")
+
+
 def run(args: argparse.Namespace) -> int:
+    saved = {key: os.environ.get(key) for key in _OWN_ENV}
+    try:
+        return _run(args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         import distributed  # noqa: F401
     except ImportError as exc:
@@ -97,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     options = WorkerOptions(
         args.scheduler, _gpus(args.gpus), args.workers_per_gpu,  # type: ignore[arg-type]
         min_free=args.min_free, memory_fraction=args.memory_fraction, wait=args.wait,
+        mem_per_worker=args.mem_per_worker,
         cpu=args.cpu, nthreads=args.nthreads, listen_host=args.host,
         allow_shared=args.allow_shared, name=args.name,
         connect_timeout_s=_duration(args.connect_timeout, "--connect-timeout"),

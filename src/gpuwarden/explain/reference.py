@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from gpuwarden import errors
-from gpuwarden.explain.engine import NONE_FINDING
+from gpuwarden.explain.diagnosis import NONE_FINDING
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase, load_knowledge
 
 DOC_PATH = "docs/failure-codes.md"
@@ -81,6 +81,8 @@ def _entry(e: CodeEntry) -> list[str]:
             notes.append(f"only when {sig.greater[0]} > {sig.greater[1]}")
         if sig.distinct:
             notes.append(f"only once {sig.distinct} took two different values in the log")
+        if sig.at_end:
+            notes.append("only when its last line ends the log (then silence)")
         if sig.weak:
             notes.append("weak: the root cause only when nothing else was found")
         if sig.echo_of:
@@ -133,6 +135,13 @@ def _raised_as() -> dict[str, list[type[errors.GpuwardenError]]]:
     return found
 
 
+# Codes reported by other commands than the generic text names.
+_REPORTED_BY = {
+    "LEASE_MEMORY_EXCEEDED": "reported, not raised: by the lease holder (`gpuwarden run`, "
+    "`launch`, a pool) on its stderr, and by `gpuwarden ls`, `leases` and `status`",
+}
+
+
 def failure_codes_markdown(kb: KnowledgeBase | None = None) -> str:
     """The text of docs/failure-codes.md for ``kb`` (default: the shipped knowledge base)."""
     kb = kb or load_knowledge()
@@ -165,8 +174,8 @@ def failure_codes_markdown(kb: KnowledgeBase | None = None) -> str:
     for code, text in own.items():
         classes = raised.get(code, [])
         how = ", ".join(f"`{c.__name__}` ({c.exit_code})" for c in classes) or \
-            "reported, not raised: by `gpuwarden launch`, `gpuwarden doctor` or the Dask " \
-            "scheduler plugin"
+            _REPORTED_BY.get(code, "reported, not raised: by `gpuwarden launch`, `gpuwarden "
+                             "doctor` or the Dask scheduler plugin")
         out.append(f"| {code} | {_cell(text)} | {how} |")
     also = sorted(c for c in raised if c not in own and c != "INTERNAL")
     out += ["", "Errors raised with a code of the failures above: "

@@ -35,12 +35,14 @@ import ctypes
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import SimpleNamespace
 from typing import Any
 
 from gpuwarden.errors import NoGPUError, NVMLError
 from gpuwarden.inventory.snapshot import (
+    FABRIC_COMPLETED,
+    FABRIC_STATES,
     ComputeMode,
     GPUHealth,
     GPUProcess,
@@ -230,6 +232,53 @@ class NvmlBackend:
                  ) -> None:
         self._session = _default_session if nvml is None else _Session(nvml)
         self._nested = nested_pid_namespace
+        # uuid -> (index, handle, parent uuid): what read_memory polls, found once.
+        self._devices: dict[str, tuple[int, Any, str | None]] | None = None
+
+    def read_memory(self, uuids: Collection[str] | None = None) -> tuple[GPUSnapshot, ...]:
+        """The memory of the devices ``uuids`` (GPUs or MIG instances; every one when None) and
+        each process's on them: the guard's poll, three NVML calls per device (memory, compute
+        and graphics processes), no /proc lookup, no health reading. Processes carry pid, memory
+        and context only."""
+        s = self._session
+        nvml = s.ensure_init()
+        try:
+            devices = self._device_handles()
+            reader = _Reader(s, True)
+            out = []
+            for uuid, (index, handle, parent) in devices.items():
+                if uuids is not None and uuid not in uuids:
+                    continue
+                mem = s.required("nvmlDeviceGetMemoryInfo", handle)
+                out.append(GPUSnapshot(
+                    index=index, uuid=uuid, name="", pci_bus_id="",
+                    memory_total_bytes=int(mem.total), memory_used_bytes=int(mem.used),
+                    utilization_gpu_pct=None, compute_mode=ComputeMode.DEFAULT,
+                    mig_enabled=False, processes=reader.bare_processes(handle),
+                    mig_parent_uuid=parent))
+        except nvml.NVMLError as exc:
+            self._devices = None  # a GPU lost or reset: find the handles again next time
+            raise NVMLError(f"NVML failed to read GPU memory: {exc}",
+                            fix="check `nvidia-smi`") from exc
+        return tuple(out)
+
+    def _device_handles(self) -> dict[str, tuple[int, Any, str | None]]:
+        if self._devices is None:
+            s = self._session
+            found: dict[str, tuple[int, Any, str | None]] = {}
+            for index in range(int(s.required("nvmlDeviceGetCount"))):
+                handle = s.required("nvmlDeviceGetHandleByIndex", index)
+                uuid = _text(s.required("nvmlDeviceGetUUID", handle))
+                found[uuid] = (index, handle, None)
+                mig_mode = s.optional("nvmlDeviceGetMigMode", handle)
+                if mig_mode and mig_mode[0] == self._session.nvml.NVML_DEVICE_MIG_ENABLE:
+                    for i in range(s.optional("nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
+                        mig = s.optional("nvmlDeviceGetMigDeviceHandleByIndex", handle, i)
+                        if mig is not None:
+                            found[_text(s.required("nvmlDeviceGetUUID", mig))] = (index, mig,
+                                                                                 uuid)
+            self._devices = found
+        return self._devices
 
     def read_host(self) -> HostSnapshot:
         s = self._session
@@ -310,6 +359,7 @@ class _Reader:
         if reasons is None:
             reasons = d("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
         pstate = d("nvmlDeviceGetPerformanceState", handle)
+        fabric_state, fabric_error = self._fabric(handle)
         return GPUHealth(
             temperature_c=_int(d("nvmlDeviceGetTemperature", handle,
                                  getattr(nvml, "NVML_TEMPERATURE_GPU", 0))),
@@ -330,7 +380,31 @@ class _Reader:
             retired_pages=self._retired_pages(handle),
             memory_repair_pending=self._repair_pending(handle),
             **self._nvlinks(handle),
+            fabric_state=fabric_state,
+            fabric_error=fabric_error,
         )
+
+    def _fabric(self, handle: Any) -> tuple[str | None, str | None]:
+        """The GPU's NVLink fabric registration (nvmlDeviceGetGpuFabricInfo, driver 525+).
+
+        Only NVSwitch systems of Hopper and later answer; others (and old bindings without
+        the struct) answer NOT_SUPPORTED: both None. ``status`` means something only once
+        the state is COMPLETED: NVML_SUCCESS, or why the registration failed.
+        """
+        nvml = self.nvml
+        struct = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
+        if struct is None:
+            return None, None
+        info = struct()
+        if self.s.detail("nvmlDeviceGetGpuFabricInfo", handle, ctypes.byref(info)) is None:
+            return None, None
+        state = int(info.state)  # 0 NOT_SUPPORTED, 1 NOT_STARTED, 2 IN_PROGRESS, 3 COMPLETED
+        name = FABRIC_STATES[state - 1] if 1 <= state <= len(FABRIC_STATES) else None
+        status = int(info.status)
+        error = None
+        if name == FABRIC_COMPLETED and status != _const(nvml, "NVML_SUCCESS", 0):
+            error = f"NVML: {nvml.NVMLError(status)}"
+        return name, error
 
     def _retired_pages(self, handle: Any) -> int | None:
         """Pages retired for ECC errors (both causes); None where the GPU does not retire
@@ -391,6 +465,16 @@ class _Reader:
 
     def processes(self, handle: Any) -> tuple[GPUProcess, ...]:
         """Compute and graphics processes, one entry per pid (context says which)."""
+        return tuple(self._describe(pid, contexts, used)
+                     for pid, (contexts, used) in self._merged(handle).items())
+
+    def bare_processes(self, handle: Any) -> tuple[GPUProcess, ...]:
+        """:meth:`processes` without looking any of them up: pid, memory, context."""
+        return tuple(GPUProcess(pid, None, None, used, "compute+graphics" if len(contexts) == 2
+                                else next(iter(contexts)))
+                     for pid, (contexts, used) in self._merged(handle).items())
+
+    def _merged(self, handle: Any) -> dict[int, tuple[set[str], int | None]]:
         merged: dict[int, tuple[set[str], int | None]] = {}
         for context in ("compute", "graphics"):
             for p in self.running(handle, context) or ():
@@ -400,8 +484,7 @@ class _Reader:
                 contexts.add(context)
                 if known is None and used is not None:
                     merged[int(p.pid)] = (contexts, used)
-        return tuple(self._describe(pid, contexts, used)
-                     for pid, (contexts, used) in merged.items())
+        return merged
 
     def running(self, handle: Any, context: str) -> list[Any] | None:
         """nvmlDeviceGet{Compute,Graphics}RunningProcesses, newest version the driver has.
