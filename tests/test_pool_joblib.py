@@ -198,18 +198,21 @@ def test_idle_warm_pool_releases_its_gpus_and_keeps_its_workers(two_gpus) -> Non
     lease both), but keeps its workers, which hold nothing on a GPU: the next call leases the
     GPUs again and runs on the same workers, with what they imported, instead of a new pool
     whose every worker imports scikit-learn again (seconds each)."""
-    from gpuwarden.lease import list_leases
+    from gpuwarden.lease import jobstep, list_leases
 
     with parallel_config(backend="gpuwarden", n_jobs=2, preload=(), idle_worker_timeout=0.3):
         first = {pid for _x, pid, _cvd in Parallel()(delayed(where)(x) for x in range(4))}
         _wait_parked()
         assert list_leases().holders == ()
+        # Nor does this process pass the released lease down as a job step (env_for skips it).
+        assert jobstep.STEP_ENV not in os.environ
         # Released, not only forgotten: another process can lease both GPUs now.
         code = "from gpuwarden.pool import GPUPool; GPUPool(gpus=2, preload=()).shutdown()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
         again = Parallel()(delayed(where)(x) for x in range(4))
         assert {pid for _x, pid, _cvd in again} <= first
         assert len(list_leases().holders) == 1  # leased again while warm
+        assert jobstep.STEP_ENV in os.environ  # and passed down again
 
 
 def test_a_parked_pool_whose_gpu_was_taken_meanwhile_is_replaced(two_gpus) -> None:

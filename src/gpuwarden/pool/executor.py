@@ -29,7 +29,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.errors import ConstraintError, GpuwardenError, PoolError, UsageError
@@ -37,6 +36,8 @@ from gpuwarden.pool import _core, _pickling
 from gpuwarden.pool._core import Task
 from gpuwarden.pool._manager import SERVER_EXIT_WAIT_S, Mailbox, Manager, WorkerInfo, log
 from gpuwarden.pool.errors import PoolArgumentError, PoolBrokenError
+from gpuwarden.pool.gpus import fraction_for as _fraction_for
+from gpuwarden.pool.gpus import memory_per_worker as _memory_per_worker
 from gpuwarden.pool.plan import WorkerSlot, plan_slots
 
 if TYPE_CHECKING:
@@ -84,17 +85,6 @@ def _value(value: Any) -> str:
     if type(value) in (str, bytes) and len(value) <= 40:
         return repr(value)
     return f"<{type(value).__name__}>"
-
-
-@dataclass(frozen=True)
-class _LeaseTerms:
-    """What a pool's GPUs were leased under, to lease the same ones again (GPUPool._unpark)."""
-
-    min_free: int | str | None
-    allow_shared: bool
-    label: str
-    inventory: Inventory | None
-    mem_per_worker_bytes: int
 
 
 class _Chunk:
@@ -199,7 +189,9 @@ class GPUPool(Executor):
         self._per_gpu = 1 if workers_per_gpu is None else workers_per_gpu
         self._grants: list[Grant] = []
         # Kept to lease the same GPUs again after _park (the joblib backend's idle pool).
-        self._lease_terms = _LeaseTerms(min_free, allow_shared, label, inventory, mem_bytes)
+        from gpuwarden.pool.gpus import LeaseTerms
+
+        self._lease_terms = LeaseTerms(min_free, allow_shared, label, inventory, mem_bytes)
         self._parked = False
         self._taken = self._take(gpus, max_workers, min_free, allow_shared, wait, label,
                                  inventory, mem_bytes)
@@ -429,21 +421,10 @@ class GPUPool(Executor):
         if not self._parked:
             return True
         if self._gpus:
-            from gpuwarden.lease.grant import make_request
-            from gpuwarden.pool.gpus import take_gpus
+            from gpuwarden.pool.gpus import take_again
 
-            terms = self._lease_terms
-            uuids = [g.uuid for g in self._gpus]
-            min_free_bytes = make_request(1, min_free=terms.min_free).constraints.min_free_bytes
-            try:
-                taken = take_gpus(uuids, self._per_gpu, min_free_bytes=min_free_bytes,
-                                  allow_shared=terms.allow_shared, wait=None,
-                                  label=terms.label, inventory=terms.inventory,
-                                  mem_per_worker_bytes=terms.mem_per_worker_bytes)
-            except GpuwardenError:
-                return False
-            if sorted(g.uuid for g in taken.gpus) != sorted(uuids):
-                taken.release()
+            taken = take_again(self._gpus, self._per_gpu, self._lease_terms)
+            if taken is None:
                 return False
             # The workers' job-step variable names this process and these GPUs' slots (every
             # slot of each), which the new lease holds again: it stays true.
@@ -455,31 +436,13 @@ class GPUPool(Executor):
 
     def _holds_gpu_context(self) -> bool:
         """Whether a process of this pool (a worker, or what a task started: everything under
-        the process server) is on one of its GPUs, as NVML (or the simulated host) says; True
-        when that cannot be told (no reading, or NVML's pids are of another PID namespace)."""
-        from gpuwarden.inventory import Inventory
+        the process server) is on one of its GPUs; True when that cannot be told."""
+        from gpuwarden.pool.gpus import tree_on_gpus
 
-        inventory = self._lease_terms.inventory or Inventory.from_env()
-        try:
-            host = inventory.read_host()
-        except GpuwardenError:
-            return True
-        mine = {g.uuid for g in self._gpus}
-        on_them = [p for g in host.gpus if g.uuid in mine for p in g.processes]
-        if not on_them:
-            return False
-        if any(p.note and "namespace" in p.note for p in on_them):
-            return True
         server = self._manager.server
         if server is None:
             return True
-        import psutil
-
-        try:
-            tree = {c.pid for c in psutil.Process(server.pid).children(recursive=True)}
-        except psutil.Error:
-            return True
-        return any(p.pid in tree for p in on_them)
+        return tree_on_gpus(self._gpus, server.pid, self._lease_terms.inventory)
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:
@@ -634,30 +597,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# What a worker's CUDA context takes beside its allocator's memory (NVML counts both).
-CONTEXT_ALLOWANCE_BYTES = 512 * 1024**2
-
-
-def _memory_per_worker(mem_per_worker: int | str | None, workers_per_gpu: int | None) -> int:
-    """``mem_per_worker`` in bytes (0: none); UsageError for a bad one, or without a fixed
-    ``workers_per_gpu`` (the lease of a GPU is that many workers' memory)."""
-    if mem_per_worker is None:
-        return 0
-    from gpuwarden.lease.grant import make_request
-
-    mem_bytes = make_request(1, mem=mem_per_worker).memory_bytes
-    if workers_per_gpu is None:
-        raise UsageError("mem_per_worker needs workers_per_gpu: a GPU's memory lease is that "
-                         "many workers' memory", fix="e.g. GPUPool(workers_per_gpu=2, "
-                         "mem_per_worker='6GiB')")
-    return mem_bytes
-
-
-def _fraction_for(mem_bytes: int, gpus: Sequence[GPUSnapshot]) -> float:
-    """The allocator cap (torch's per-process memory fraction) that keeps a worker inside
-    ``mem_bytes`` on the largest of ``gpus`` (smaller ones give it less)."""
-    total = max(g.memory_total_bytes for g in gpus) or 1
-    allowed = max(mem_bytes - CONTEXT_ALLOWANCE_BYTES, mem_bytes // 2)
-    return max(0.001, min(1.0, allowed / total))
