@@ -13,7 +13,8 @@ scikit-learn is not a dependency of gpuwarden: install it into the environment t
 in about a minute each on a quiet 2-core box; ``--full`` adds ensemble/test_forest and
 model_selection/test_search (the issue's ~840 tests, several minutes a run).
 
-Usage: python benchmarks/bench_sklearn.py [--rounds 5] [--full] [--trace] [-k EXPR]
+Usage: python benchmarks/bench_sklearn.py [--rounds 5] [--full | --modules PATH...] [--trace]
+       [-k EXPR]
        [--before SRC]   (a third arm: gpuwarden from another source tree, e.g. main's)
 """
 
@@ -127,6 +128,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--full", action="store_true", help="the issue's whole selection")
+    parser.add_argument("--modules", nargs="+", metavar="PATH",
+                        help="these test modules (paths inside sklearn/) instead")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     parser.add_argument("--trace", action="store_true",
                         help="what the gpuwarden warm pool did in each test (last round)")
@@ -141,7 +144,7 @@ def main() -> int:
         print("bench_sklearn: scikit-learn is not installed (pip install scikit-learn)",
               file=sys.stderr)
         return 77
-    modules = FULL if args.full else MODULES
+    modules = args.modules or (FULL if args.full else MODULES)
     plugin_dir = Path(tempfile.mkdtemp(prefix="bench-sklearn-"))
     (plugin_dir / "bench_sklearn_plugin.py").write_text(PLUGIN)
     trace = plugin_dir / "trace.jsonl" if args.trace else None
