@@ -8,10 +8,11 @@ their ratio, the tests that passed under each (they must be the same), and the t
 median time differs most. With --trace, what the gpuwarden warm pool did in each test (new
 pools, resizes, idle releases), for finding out why one is slow.
 
-scikit-learn is not a dependency of gpuwarden: install it into the environment to measure
-(``pip install scikit-learn``). The default selection is the modules of issue 39 that finish
-in about a minute each on a quiet 2-core box; ``--full`` adds ensemble/test_forest and
-model_selection/test_search (the issue's ~840 tests, several minutes a run).
+scikit-learn is not a dependency of gpuwarden: the ``bench`` extra installs it into the
+environment (``pip install -e ".[bench]"``; ``scripts/setup`` does not). The default
+selection is the modules of issue 39 that finish in about a minute each on a quiet 2-core box;
+``--full`` adds ensemble/test_forest and model_selection/test_search (the issue's ~840 tests,
+several minutes a run); ``--modules`` names others.
 
 Usage: python benchmarks/bench_sklearn.py [--rounds 5] [--full | --modules PATH...] [--trace]
        [-k EXPR]
@@ -141,7 +142,7 @@ def main() -> int:
     try:
         import sklearn
     except ImportError:
-        print("bench_sklearn: scikit-learn is not installed (pip install scikit-learn)",
+        print("bench_sklearn: scikit-learn is not installed (pip install -e '.[bench]')",
               file=sys.stderr)
         return 77
     modules = args.modules or (FULL if args.full else MODULES)
