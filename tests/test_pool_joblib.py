@@ -25,6 +25,17 @@ def where(x: int) -> tuple[int, int, str | None]:
     return x, os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def list_me_on_gpu0(host_path: str) -> int:
+    """Lists this process on GPU 0 of the simulated host in ``host_path`` (as NVML lists a
+    process with a CUDA context)."""
+    path = Path(host_path)
+    host = json.loads(path.read_text())
+    host["gpus"][0]["processes"] = [{"pid": os.getpid(), "user": "root", "command": "python",
+                                     "used_memory_mib": 500}]
+    path.write_text(json.dumps(host))
+    return os.getpid()
+
+
 def nested(x: int) -> tuple[int, set[int]]:
     inner = Parallel(n_jobs=4)(delayed(os.getpid)() for _ in range(4))
     return os.getpid(), set(inner)
@@ -242,15 +253,15 @@ def test_a_pool_with_a_process_on_its_gpu_is_shut_down_when_idle(two_gpus, scena
     scenario(path)
     with parallel_config(backend="gpuwarden", n_jobs=2, preload=(), idle_worker_timeout=1.0):
         results = Parallel()(delayed(where)(x) for x in range(4))
-        worker = results[0][1]
-        host["gpus"][0]["processes"] = [{"pid": worker, "user": "root", "command": "python",
-                                         "used_memory_mib": 500}]
-        path.write_text(json.dumps(host))  # read again by every inventory read
+        # A worker lists itself on its GPU while a call runs on it, so the listing is there
+        # before the idle clock starts (written here afterwards, on a loaded box the clock
+        # could run out first and park the pool).
+        [listed] = Parallel()(delayed(list_me_on_gpu0)(str(path)) for _ in range(1))
         deadline = time.monotonic() + 20
         while joblib_backend._reusable["pool"] is not None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert joblib_backend._reusable["pool"] is None
-    assert not wait_until_gone([pid for _x, pid, _cvd in results], timeout_s=20)
+    assert not wait_until_gone([listed, *(pid for _x, pid, _cvd in results)], timeout_s=20)
 
 
 def test_a_parked_pool_goes_after_the_parked_timeout(two_gpus, monkeypatch) -> None:
