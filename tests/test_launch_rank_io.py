@@ -31,6 +31,8 @@ from gpuwarden.launch.ranks.relay import Console, StreamRelay
 from gpuwarden.launch.watch import flight_recorder
 from tests.conftest import SCENARIOS
 
+pytestmark = [pytest.mark.slow]
+
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "rank_io.py")
 BIN = Path(sys.executable).parent
 GPUWARDEN = str(BIN / "gpuwarden")

@@ -140,6 +140,7 @@ ONE_GPU = "import os, sys, time\n" \
     "open(sys.argv[2], 'w').write(str(os.getpid()))\ntime.sleep(20)"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.timeout(120)
 def test_launch_mem_per_rank_stops_the_job_whose_rank_grows_past_it(scenario, lease_dir,

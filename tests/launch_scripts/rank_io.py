@@ -70,6 +70,11 @@ elif mode == "gloo_raise":
     t = torch.ones(1)
     dist.all_reduce(t)
     print(f"rank {RANK} all_reduce {t.item():g}", file=sys.stderr, flush=True)
+    # Each rank ends its process group first: torch 2.13 sometimes aborts at interpreter exit
+    # with one still up ("terminate called without an active exception", SIGABRT: exit 134
+    # instead of 1), under torchrun too, more often on a loaded machine. torch's excepthook,
+    # which prefixes the traceback below, stays installed.
+    dist.destroy_process_group()
     if RANK == 1:
         raise ValueError("rank 1 gives up")
 elif mode == "raise_abort":
