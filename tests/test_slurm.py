@@ -186,9 +186,6 @@ INIT = re.compile(r"init: rank=(?P<rank>\d+) world=(?P<world>\d+) local=(?P<loca
                   r"LOCAL_WORLD_SIZE=(?P<LOCAL_WORLD_SIZE>\S+) sum=(?P<sum>\S+)")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by this test: distributed.init() reads SLURM_TASKS_PER_NODE=3,1 as one number "
-    "(UsageError) and exports no LOCAL_RANK/LOCAL_WORLD_SIZE"))
 def test_srun_starts_every_rank_and_distributed_init_finds_its_place(slurm: Cluster,
                                                                      tmp_path: Path) -> None:
     """`srun --nodes=2 --ntasks=4 python train.py` with gpuwarden.distributed.init(): Slurm
