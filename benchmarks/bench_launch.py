@@ -2,7 +2,9 @@
 
     python benchmarks/bench_launch.py [--pairs 5] [--cap 30]
 
-1. launcher alone: 2 ranks of a script that does not import torch;
+1. launcher alone: 2 ranks of a script that does not import torch; and the smallest launch,
+   ``gpuwarden launch -n 1 --cpu hello.py`` beside ``torchrun --standalone --nproc-per-node 1``
+   (what a launch imports before its first rank starts: the goal is 0.2 s);
 2. launch → finish of a 2-rank gloo all_reduce (examples/allreduce.py);
 3. rank crash → launcher exit (rank 1 raises after init; rank 0 sleeps);
 4. one of 2 ranks never joins: time to a diagnosis (gpuwarden --stall-timeout 5s) vs torchrun,
@@ -147,6 +149,10 @@ def main() -> None:
     print("|---|---|---|---|")
     pairs("launcher alone (script without torch)", gpuwarden(HERE / "hello.py"),
           torchrun(HERE / "hello.py"), args.pairs)
+    pairs("launcher alone, 1 rank: `-n 1 --cpu` (script without torch)",
+          [str(BIN / "gpuwarden"), "launch", "-n", "1", "--cpu", str(HERE / "hello.py")],
+          [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", str(HERE / "hello.py")],
+          args.pairs)
     pairs("launch → finish, all_reduce", gpuwarden(ROOT / "examples" / "allreduce.py"),
           torchrun(ROOT / "examples" / "allreduce.py"), args.pairs)
     pairs("rank crash → launcher exit", gpuwarden(HERE / "crash_after_init.py"),

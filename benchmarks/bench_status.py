@@ -229,7 +229,7 @@ def rank_side(n: int = 2000) -> None:
     import torch  # noqa: F401  (a rank's process: torch's modules and threads)
     from torch.distributed import TCPStore
 
-    from gpuwarden.launch._bootstrap import _sampling_loop
+    from gpuwarden.launch.ranks._bootstrap import _sampling_loop
 
     stop = threading.Event()
     for _ in range(4):

@@ -140,3 +140,27 @@ def test_console_script_runs_as_a_pipe_filter() -> None:
                           capture_output=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.decode().startswith("error[RDZV_DNS]")
+
+
+@pytest.mark.timeout(60)
+def test_explain_on_a_terminal_without_a_file_says_it_reads_stdin_and_how_to_end() -> None:
+    """`gpuwarden explain` typed alone showed a blank screen. On a terminal it now says that it
+    reads standard input and that Ctrl-D ends it; Ctrl-D then gives the diagnosis."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    master, slave = os.openpty()
+    exe = Path(sys.executable).with_name("gpuwarden")
+    proc = subprocess.Popen([str(exe), "explain"], stdin=slave, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    os.close(slave)
+    try:
+        assert proc.stderr is not None
+        assert b"Ctrl-D" in proc.stderr.readline()
+        os.write(master, b"RuntimeError: CUDA error: out of memory\n\x04")
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0 and b"CUDA_OOM" in out, out

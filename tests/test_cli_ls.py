@@ -13,7 +13,7 @@ import pytest
 from gpuwarden.cli import main
 from gpuwarden.inventory.simulated import SHIPPED_DIR, SimulatedBackend, shipped_scenarios
 
-MIG_1 = "MIG-5a7c2d1e-0d3b-5e0f-9f3a-4d2c1b0a9e81"
+MIG_1 = "MIG-c41f07b2-9e6d-5b1a-8c3e-2f7d6a5b4c93"
 
 
 def ls(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -56,7 +56,7 @@ def test_a_scenario_name_also_works_in_the_variable(capsys: pytest.CaptureFixtur
 def test_mig_instances_are_listed_with_their_processes(capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     _, out, _ = ls(capsys, "--simulate", "mig")
-    assert re.search(r"^0:0 +MIG 3g\.40gb MIG-5a7c2d1e +- +0\.0/39\.2G$", out, re.M)
+    assert re.search(r"^0:0 +MIG-5a7c2d1e 3g\.40gb +- +0\.0/39\.2G$", out, re.M)
     assert re.search(r"^0:1 +300 +gina +19\.4G .* python infer\.py --port 8000$", out, re.M)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIG_1)  # the instance, not its GPU, is visible
     _, out, _ = ls(capsys, "--simulate", "mig")
@@ -71,12 +71,14 @@ def test_what_needs_attention_is_said_under_its_gpu(capsys: pytest.CaptureFixtur
              if line.startswith("    !")}
     assert after == {"0": "! slowed: sw_power_cap, hw_thermal_slowdown",
                      "1": "! 2 uncorrectable ECC error(s); memory repair pending a GPU reset",
+                     "2": "! 4 of 18 NVLinks down",
                      "3": "! unusable: NVML: GPU is lost"}
     _, out, _ = ls(capsys, "--simulate", "sick", "--json")
     gpus = json.loads(out)["gpus"]
     assert gpus[1]["problems"] == ["2 uncorrectable ECC error(s)",
                                    "memory repair pending a GPU reset"]
-    assert gpus[2]["health"]["nvlinks_active"] == 14 and gpus[2]["problems"] == []
+    assert gpus[2]["health"]["nvlinks_active"] == 14
+    assert gpus[2]["problems"] == ["4 of 18 NVLinks down"]
     _, out, _ = ls(capsys, "--simulate", "sick", "--long")
     assert "NVLink     14 of 18 links up" in out
     assert "clocks     SM 1095 of 1980 MHz, memory 2619 MHz; event reasons: sw_power_cap, " \
@@ -108,7 +110,8 @@ def test_watch_refreshes_and_measures_cpu_between_refreshes(capsys: pytest.Captu
     docs = [json.loads(line) for line in out.splitlines()]  # JSON Lines, one per refresh
     assert code == 0 and len(docs) == 3 and all(d["schema_version"] == 1 for d in docs)
     for argv, words in ((["--iterations", "2"], "--iterations without --watch"),
-                        (["--watch", "0"], "between 0.1 s and 1 h")):
+                        (["--watch", "0"], "between 0.1 s and 1 h"),
+                        (["--watch", "-1"], "between 0.1 s and 1 h")):
         code, _, err = ls(capsys, "--simulate", "example", *argv)
         assert code == 2 and words in err
 
@@ -149,3 +152,51 @@ def test_every_scenario_field_and_json_key_is_documented(capsys: pytest.CaptureF
                 keys |= set(m) | {k for p in m["processes"] for k in p}
             keys |= {k for p in g["processes"] for k in p}
     assert not [k for k in keys if f"`{k}`" not in inventory_doc]
+
+
+@pytest.mark.parametrize("second", ["MIG-c41f07b2-9e6d-5b1a-8c3e-2f7d6a5b4c93",
+                                    "MIG-5a7c2d1e-0d3b-5e0f-9f3a-4d2c1b0a9e81"])
+def test_each_mig_id_shown_names_its_instance_alone_in_cuda_visible_devices(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path,
+        second: str) -> None:
+    """What `ls` shows for an instance is what docs/inventory.md says to put in
+    CUDA_VISIBLE_DEVICES: it must name that instance only, also when two uuids share their
+    first 8 hex digits (ls showed 'MIG-5a7c2d1e' for both, which then 'matches 2 devices')."""
+    import json
+
+    from gpuwarden.inventory.simulated import SHIPPED_DIR
+
+    data = json.loads((SHIPPED_DIR / "mig.json").read_text())
+    data["gpus"][0]["mig_devices"][1]["uuid"] = second
+    path = tmp_path / "mig.json"
+    path.write_text(json.dumps(data))
+    _, out, _ = ls(capsys, "--simulate", str(path))
+    # in its row, or (uuids alike for long) whole on the line under it
+    shown = re.findall(r"^0:(\d) +(MIG-\S+) ", out, re.M) or re.findall(
+        r"^0:(\d) .*\n +id (MIG-\S+)$", out, re.M)
+    assert [k for k, _ in shown] == ["0", "1"], out
+    assert all("…" not in short for _, short in shown)
+    for k, short in shown:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", short)
+        _, out, err = ls(capsys, "--simulate", str(path))
+        rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:6]}
+        assert rows[f"0:{k}"] == "cuda:0" and list(rows.values()).count("cuda:0") == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_watch_into_a_reader_that_leaves_ends_quietly() -> None:
+    """`gpuwarden ls --watch 1 | head -3`: the reader goes, the watch ends with SIGPIPE's exit
+    status and no traceback (it printed a BrokenPipeError traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("gpuwarden")
+    proc = subprocess.Popen([str(exe), "ls", "--simulate", "example", "--watch", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "GPUWARDEN_SIMULATE": ""})
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"box-a")
+    proc.stdout.close()  # as head does after its lines
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()

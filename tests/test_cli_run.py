@@ -235,6 +235,23 @@ def test_leases_init_refuses_a_slot_count_it_would_not_honour(capsys):
         assert err.startswith("error[USAGE]: --slots-per-gpu") and err.count("\n") == 1
 
 
+def test_leases_init_refuses_to_prepare_the_hosts_directory_for_simulated_gpus(
+        capsys, scenario, tmp_path):
+    """As root with GPUWARDEN_SIMULATE set, `leases init` made real lock files under
+    /run/gpuwarden for GPUs that do not exist. Refused; a directory of one's own is fine."""
+    from gpuwarden.lease._fs import SHARED_LEASE_DIR
+
+    scenario("two_idle")
+    existed = os.path.exists(SHARED_LEASE_DIR)
+    assert main(["leases", "init"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error[USAGE]: leases init would prepare") and "simulated" in err
+    assert os.path.exists(SHARED_LEASE_DIR) == existed
+    if os.geteuid() == 0:  # init proper needs root: root-owned lock files
+        assert main(["leases", "init", "--dir", str(tmp_path / "mine")]) == 0
+        assert len(list((tmp_path / "mine").iterdir())) >= 2
+
+
 @pytest.mark.timeout(60)
 def test_ctrl_c_while_waiting_in_line_says_so(scenario, lease_dir):
     scenario("two_idle")

@@ -14,7 +14,7 @@ import pytest
 
 from gpuwarden.cli import main
 from gpuwarden.launch import supervisor
-from gpuwarden.launch.pcontext import ProcessContext
+from gpuwarden.launch.ranks.pcontext import ProcessContext
 from gpuwarden.lease import lease, list_leases
 from tests.conftest import SCENARIOS
 
@@ -104,3 +104,13 @@ def test_usage_errors_name_the_flag_and_the_fix(capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert err.startswith("error[USAGE]: ") and words in err and "; fix: " in err
     assert err.count("\n") == 1
+
+
+def test_launch_without_a_script_names_only_the_script_as_missing(capsys) -> None:
+    """`gpuwarden launch` alone said "required: SCRIPT, ARGS": the script's arguments are
+    optional, as under torchrun."""
+    from gpuwarden.cli import main
+
+    assert main(["launch"]) == 2
+    err = capsys.readouterr().err
+    assert "required: SCRIPT;" in err and "ARGS" not in err, err

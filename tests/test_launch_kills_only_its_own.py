@@ -198,7 +198,7 @@ def test_a_memory_error_in_the_supervisor_is_a_report_and_stops_the_ranks(tmp_pa
                                                                           ) -> None:
     """The allocation that fails is injected (a real one cannot be aimed): at the first
     output a rank relays, the position a flood of output would hit."""
-    code = ("import gpuwarden.launch.relay as relay\n"
+    code = ("import gpuwarden.launch.ranks.relay as relay\n"
             "def feed(self, is_err, data):\n"
             "    raise MemoryError\n"
             "relay.RankRelay.feed = feed\n"

@@ -12,12 +12,12 @@ import pytest
 from gpuwarden.distributed import WorldEnv, choose_device, detect_world
 from gpuwarden.errors import ConstraintError, GpuwardenError, PortInUseError, UsageError
 from gpuwarden.launch.config import LaunchConfig
+from gpuwarden.launch.outcome import RankExit
 from gpuwarden.launch.plan import make_plan
 from gpuwarden.launch.preflight import choose_port, take_gpus
 from gpuwarden.launch.report import root_cause
-from gpuwarden.launch.stall import main_thread_frames
-from gpuwarden.launch.status import Phase, StatusReader, StatusWriter
-from gpuwarden.launch.supervisor import RankExit
+from gpuwarden.launch.watch.stall import main_thread_frames
+from gpuwarden.launch.watch.status import Phase, StatusReader, StatusWriter
 from gpuwarden.nodelist import expand_nodelist, first_host
 
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "env_dump.py")
@@ -58,7 +58,7 @@ def test_plan_gives_torchrun_environment_on_cpu() -> None:
     assert env["OMP_NUM_THREADS"] == "1" and env["GPUWARDEN_DEVICE"] == "cpu"
     assert "CUDA_VISIBLE_DEVICES" not in env  # no GPU host: nothing to hide
     # torchrun's `python -u SCRIPT` with the bootstrap in between; torchrun sets no PYTHONUNBUFFERED
-    assert plan.ranks[2].argv == ("/usr/bin/python3", "-u", "-m", "gpuwarden.launch._bootstrap", SCRIPT, "--lr", "3")
+    assert plan.ranks[2].argv == ("/usr/bin/python3", "-u", "-m", "gpuwarden.launch.ranks._bootstrap", SCRIPT, "--lr", "3")
     assert "PYTHONUNBUFFERED" not in env
     assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     assert plan_for(cfg(target="pkg.mod", module=True)).ranks[0].argv[4:6] == ("-m", "pkg.mod")
@@ -252,10 +252,10 @@ def test_stack_dump_parsing_keeps_the_scripts_frames() -> None:
         '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
         "Current thread 0x00007f2 (most recent call first):\n"
         '  File "/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
-        '  File "/src/gpuwarden/launch/_bootstrap.py", line 125 in collective\n'
+        '  File "/src/gpuwarden/launch/ranks/_bootstrap.py", line 125 in collective\n'
         '  File "/job/train.py", line 15 in step\n'
         '  File "<frozen runpy>", line 88 in _run_code\n'
-        '  File "/src/gpuwarden/launch/_bootstrap.py", line 229 in main\n'
+        '  File "/src/gpuwarden/launch/ranks/_bootstrap.py", line 229 in main\n'
     )
     assert main_thread_frames(dump) == [
         'File "/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.cli import main
-from gpuwarden.launch import flight_recorder
-from gpuwarden.launch.relay import Console, StreamRelay
-from gpuwarden.launch.torch_errors import parse_torch_error, read_torch_error
+from gpuwarden.launch.ranks.exit_records import parse_torch_error, read_torch_error
+from gpuwarden.launch.ranks.relay import Console, StreamRelay
+from gpuwarden.launch.watch import flight_recorder
 from tests.conftest import SCENARIOS
 
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "rank_io.py")
@@ -298,7 +298,7 @@ def test_a_ranks_traceback_reads_as_python_prints_it(
             if line.startswith("[rank0]: ")]
     assert code == python.returncode == 1
     assert rank == python.stderr.splitlines(), err
-    assert "launch/_bootstrap.py" not in err and "in run_module" not in err
+    assert "launch/ranks/_bootstrap.py" not in err and "in run_module" not in err
     if target == ["job.sh"]:
         assert "run it with --no-python" in err
 

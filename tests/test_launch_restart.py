@@ -13,12 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.restart import (
-    Failure,
-    RestartPolicy,
-    decide_restart,
-    innermost_frame,
-)
+from gpuwarden.launch.outcome import Failure
+from gpuwarden.launch.restart.policy import RestartPolicy, decide_restart, innermost_frame
 from gpuwarden.launch.runner import launch as run_launch
 from tests.conftest import SCENARIOS
 

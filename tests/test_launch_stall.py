@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden.launch import flight_recorder
-from gpuwarden.launch._bootstrap import format_stacks
-from gpuwarden.launch.stall import (
+from gpuwarden.launch.ranks._bootstrap import format_stacks
+from gpuwarden.launch.watch import flight_recorder
+from gpuwarden.launch.watch.stall import (
     Frame,
     RankView,
     Sample,
@@ -22,7 +22,7 @@ from gpuwarden.launch.stall import (
 )
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
-BOOT = Frame("/src/gpuwarden/launch/_bootstrap.py", 150, "main")
+BOOT = Frame("/src/gpuwarden/launch/ranks/_bootstrap.py", 150, "main")
 SOURCE = {("/job/train.py", 30): "        handle.wait()\n"}
 
 
@@ -152,7 +152,7 @@ def test_bootstrap_stack_format_round_trips_and_the_sampler_thread_is_left_out()
     threads = parse_dump(text)
     assert threads and threads[0][0].func == "test_bootstrap_stack_format_round_trips_and_the_sampler_thread_is_left_out"
     dump = ("Thread 0x01 (most recent call first):\n"
-            '  File "/src/gpuwarden/launch/_bootstrap.py", line 99 in _sampling_loop\n\n'
+            '  File "/src/gpuwarden/launch/ranks/_bootstrap.py", line 99 in _sampling_loop\n\n'
             + "Thread 0x02 (most recent call first):\n"
             + "".join(f'  File "{f.file}", line {f.line} in {f.func}\n' for f in ALL_REDUCE))
     assert [f.func for f in main_thread(parse_dump(dump))] == ["all_reduce", "<module>"]

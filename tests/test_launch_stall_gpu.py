@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("real_host", "no_leftover
 
 @pytest.fixture(autouse=True)
 def _own_flight_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpuwarden.launch.flight_recorder import RECORDER_VARIABLES
+    from gpuwarden.launch.watch.flight_recorder import RECORDER_VARIABLES
 
     for var in RECORDER_VARIABLES:
         monkeypatch.delenv(var, raising=False)  # the user's own settings would win

@@ -23,8 +23,8 @@ from gpuwarden.cli import build_parser, main
 from gpuwarden.cli.launch import config_from_args
 from gpuwarden.errors import UsageError
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.placement import PlacementWatch, misplaced_ranks
-from gpuwarden.launch.relay import MAX_LINE_BYTES, Console, StreamRelay, rank_outputs
+from gpuwarden.launch.ranks.relay import MAX_LINE_BYTES, Console, StreamRelay, rank_outputs
+from gpuwarden.launch.watch.placement import PlacementWatch, misplaced_ranks
 from tests.conftest import SCENARIOS
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"

@@ -22,8 +22,8 @@ import pytest
 from gpuwarden.cli import build_parser
 from gpuwarden.cli.launch import config_from_args
 from gpuwarden.errors import UsageError
+from gpuwarden.launch.multinode.slurm import slurm_settings
 from gpuwarden.launch.plan import make_plan
-from gpuwarden.launch.slurm import slurm_settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _netns import Hosts, make_hosts, nft_unavailable_reason, remove_hosts, unavailable_reason  # noqa: E402
@@ -321,8 +321,8 @@ def test_a_given_topology_inside_a_batch_script_ignores_slurm(monkeypatch: pytes
 
 def test_waits_name_the_missing_nodes() -> None:
     from gpuwarden.launch.config import LaunchConfig
-    from gpuwarden.launch.node_agent import NodeInfo
-    from gpuwarden.launch.rendezvous import missing_nodes
+    from gpuwarden.launch.multinode.node_agent import NodeInfo
+    from gpuwarden.launch.multinode.rendezvous import missing_nodes
 
     static = LaunchConfig(SCRIPT, nnodes=3, node_rank=0, master_addr="h", master_port=1,
                           expected_hosts=("a", "b", "c"))
@@ -372,9 +372,10 @@ def test_the_first_failure_and_the_decision_are_the_jobs(monkeypatch: pytest.Mon
     """Node 1's rank raised a KeyError; node 0's rank only saw the echo. Both settle to node
     1's failure and node 1's decision, twice in a row ("same failure twice"), whatever each
     would have decided alone."""
-    from gpuwarden.launch import job_store
-    from gpuwarden.launch.node_agent import Round
-    from gpuwarden.launch.restart import Failure, RestartPolicy
+    from gpuwarden.launch.multinode import job_store
+    from gpuwarden.launch.multinode.node_agent import Round
+    from gpuwarden.launch.outcome import Failure
+    from gpuwarden.launch.restart.policy import RestartPolicy
 
     store: dict[str, str] = {}
     policy = RestartPolicy(3)
@@ -409,8 +410,8 @@ def test_the_first_failure_and_the_decision_are_the_jobs(monkeypatch: pytest.Mon
 
 
 def test_records_from_other_nodes_are_escaped_and_typed() -> None:
-    from gpuwarden.launch import job_store
-    from gpuwarden.launch.restart import RestartPolicy, decide_restart
+    from gpuwarden.launch.multinode import job_store
+    from gpuwarden.launch.restart.policy import RestartPolicy, decide_restart
 
     f = job_store.failure_from_dict({"code": "RANK_FAILED\x1b[31m", "rank": "3",
                                      "what": "boom\u202e"})
@@ -431,7 +432,7 @@ def test_the_agent_is_ready_as_soon_as_its_ready_line_is_read(monkeypatch: pytes
     on the pipe once the line is read (it cost every node 0.5 s on the critical path)."""
     import select as select_module
 
-    from gpuwarden.launch import node_agent
+    from gpuwarden.launch.multinode import node_agent
 
     line = json.dumps({"event": "ready", "import_s": 0.1}) + "\n"
     proc = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.stdout.write({line!r}); "
@@ -513,7 +514,7 @@ def test_an_endpoint_named_by_this_host_on_127_0_1_1_advertises_a_routable_addre
     the preflight hosts the store here and advertises the interface address, named."""
     import io
 
-    from gpuwarden.launch.rendezvous import check_rendezvous
+    from gpuwarden.launch.multinode.rendezvous import check_rendezvous
 
     ifaces = {"lo": ("127.0.0.1",), "eth0": ("10.0.0.4",)}
     err = io.StringIO()
@@ -531,7 +532,7 @@ def test_an_endpoint_named_by_this_host_on_127_0_1_1_advertises_a_routable_addre
 def test_a_loopback_endpoint_is_a_rehearsal_and_a_taken_port_joins_as_client() -> None:
     import io
 
-    from gpuwarden.launch.rendezvous import check_rendezvous
+    from gpuwarden.launch.multinode.rendezvous import check_rendezvous
 
     ifaces = {"lo": ("127.0.0.1",), "eth0": ("10.0.0.4",)}
     err = io.StringIO()

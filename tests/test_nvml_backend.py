@@ -343,7 +343,7 @@ def test_health_readings_come_in_their_units() -> None:
     assert (h.ecc_errors_uncorrected, h.retired_pages, h.memory_repair_pending) == (3, 2, True)
     assert (h.nvlinks_active, h.nvlinks_total) == (3, 4)
     assert h.problems() == ("3 uncorrectable ECC error(s)", "memory repair pending a GPU reset",
-                            "slowed: sw_power_cap, hw_thermal_slowdown")
+                            "slowed: sw_power_cap, hw_thermal_slowdown", "1 of 4 NVLinks down")
     healthy = host.gpus[1].health
     assert healthy.problems() == () and healthy.nvlinks_total is None  # no NVLink: unknown
     assert "nvmlDeviceGetCurrentClocksEventReasons" in driver.calls

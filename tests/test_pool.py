@@ -321,7 +321,10 @@ def test_a_pool_inherited_through_fork_is_refused_in_the_child(two_gpus,
         _, status = os.waitpid(child, 0)
         verdict = os.read(read_fd, 4096).decode()
         os.close(read_fd)
-        assert verdict.startswith("PoolError: this GPUPool belongs to process"), verdict
+        # str(e) is what the CLI prints: the code, the why and the fix, not the headline only
+        assert verdict.startswith("PoolError: error[POOL_BROKEN]: this GPUPool belongs to "
+                                  "process"), verdict
+        assert "\n  fix: create a new GPUPool in the child" in verdict
         # The parent's pool is untouched by the child's attempts.
         assert pool.submit(abs, -3).result(timeout=30) == 3
 

@@ -80,7 +80,7 @@ def test_submit_racing_shutdown_is_refused_or_runs_never_pending(two_gpus) -> No
 def test_no_write_reaches_the_wake_pipes_old_descriptor_after_close(two_gpus,
                                                                      tmp_path: Path) -> None:
     pool = GPUPool(gpus=1, preload=())
-    old = pool._wake_w
+    old = pool._box.wake_w
     pool.shutdown()
     # Whatever now has the wake pipe's old number gets no byte from the closed pool.
     opened = []
@@ -154,8 +154,8 @@ def test_the_server_dying_fails_running_tasks_by_name_and_the_pool_goes_on(
         while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert pool._server is not None
-        os.kill(pool._server.pid, signal.SIGKILL)
+        assert pool._manager.server is not None
+        os.kill(pool._manager.server.pid, signal.SIGKILL)
         error = running.exception(timeout=30)
         assert isinstance(error, WorkerDiedError), repr(error)
         assert "died with the pool's process server (SIGKILL(-9))" in error.what

@@ -20,10 +20,9 @@ import pytest
 
 from gpuwarden.cli import main
 from gpuwarden.jobs import gpuwarden_kind
-from gpuwarden.launch import control
-from gpuwarden.launch._bootstrap import MAX_DUMP_FRAMES, _sampling_loop, format_stacks
-from gpuwarden.launch._store_stacks import StackRelay
-from gpuwarden.launch.observe import (
+from gpuwarden.launch.multinode._store_stacks import StackRelay
+from gpuwarden.launch.observer import control
+from gpuwarden.launch.observer.observe import (
     REMOTE_WAIT_S,
     JobSnapshot,
     _ask_other_nodes,
@@ -32,12 +31,13 @@ from gpuwarden.launch.observe import (
     rank_row,
     stack_record,
 )
-from gpuwarden.launch.stall import Frame, RankView, Sample, main_thread, parse_dump
-from gpuwarden.launch.straggler import decide_straggler
-from gpuwarden.launch.supervisor import PeerView
+from gpuwarden.launch.outcome import PeerView
+from gpuwarden.launch.ranks._bootstrap import MAX_DUMP_FRAMES, _sampling_loop, format_stacks
+from gpuwarden.launch.watch.stall import Frame, RankView, Sample, main_thread, parse_dump
+from gpuwarden.launch.watch.straggler import decide_straggler
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
-BOOT = Frame("/src/gpuwarden/launch/_bootstrap.py", 176, "_run_path")
+BOOT = Frame("/src/gpuwarden/launch/ranks/_bootstrap.py", 176, "_run_path")
 SCRIPT = "/job/train.py"
 
 
@@ -194,7 +194,7 @@ def test_rank_phases_from_the_supervisors_samples() -> None:
 
 def _dump(stack: tuple[Frame, ...]) -> str:
     return ("Thread 0x01 (most recent call first):\n"
-            '  File "/src/gpuwarden/launch/_bootstrap.py", line 99 in _sampling_loop\n\n'
+            '  File "/src/gpuwarden/launch/ranks/_bootstrap.py", line 99 in _sampling_loop\n\n'
             "Thread 0x02 (most recent call first):\n"
             + "".join(f'  File "{f.file}", line {f.line} in {f.func}\n' for f in stack))
 
@@ -353,7 +353,7 @@ def test_gpuwarden_commands_are_recognised_in_the_process_table() -> None:
     assert gpuwarden_kind([f"{venv}/python", f"{venv}/gpuwarden", "launch", "-n", "2", "x.py"]) == "launch"
     assert gpuwarden_kind(["python3", "-m", "gpuwarden", "run", "--gpus", "1", "--", "x"]) == "run"
     assert gpuwarden_kind([f"{venv}/gpuwarden", "worker", "tcp://h:8786"]) == "worker"
-    assert gpuwarden_kind(["python", "-u", "-m", "gpuwarden.launch._bootstrap", "x.py"]) is None
+    assert gpuwarden_kind(["python", "-u", "-m", "gpuwarden.launch.ranks._bootstrap", "x.py"]) is None
     assert gpuwarden_kind([f"{venv}/gpuwarden", "status"]) is None
     assert gpuwarden_kind(["python", "train.py", "gpuwarden", "launch"]) is None
     assert gpuwarden_kind(["python3.11", "-X", "dev", "-m", "gpuwarden", "launch", "x"]) == "launch"
@@ -514,3 +514,40 @@ def test_stacks_and_status_without_any_job(capsys: pytest.CaptureFixture[str], t
 def test_main_thread_of_a_recorded_dump() -> None:
     # the sampler's own thread is never shown as the script's
     assert [f.func for f in main_thread(parse_dump(_dump(SLEEPING)))] == ["<module>"]
+
+
+def _status_doc() -> dict:
+    job = {"id": "812345", "user": "a-long-user-name", "kind": "launch", "age_s": 3725.0,
+           "gpus": [{"index": 0}, {"index": 1}], "mine": True,
+           "command": "gpuwarden launch -n 2 train.py --epochs 90 --lr 3e-4 --data /datasets/x",
+           "launch": {"target": "train.py", "run_id": "r1", "node_rank": 0, "nnodes": 1,
+                      "attempt": 0, "max_restarts": 0, "uptime_s": 61.0,
+                      "sample_interval_s": 1.0, "stall": {}, "ranks": [
+                          {"rank": r, "pid": 987654 + r, "gpu": r, "phase": "collective",
+                           "op": "allreduce", "for_s": 1.5, "cpu_cores": 0.98,
+                           "gpu_memory_bytes": 3 << 30, "where": "train.py:42 in step"}
+                          for r in (0, 1)]}}
+    return {"host": "box-a", "generated_at": 0.0, "jobs": [job]}
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_status_keeps_every_id_whole_and_its_titles_on_their_own_lines(width: int) -> None:
+    """At 60 columns JOB, USER, AGE and GPUS shrank to nothing and pids read `9…`: the id that
+    `stacks` needs was lost. Columns now go whole (least needed first); ids are never cut, no
+    line is wider than the terminal, and at 200 columns a title is not wrapped at the table."""
+    import io
+
+    from rich.console import Console
+
+    from gpuwarden.cli.status import build_view, to_rich
+
+    sections = build_view(_status_doc())
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(to_rich(sections, width))
+    text = out.getvalue()
+    assert all(len(line) <= width for line in text.splitlines()), text
+    assert "812345" in text and "987654" in text and "987655" in text, text
+    if width == 200:
+        assert sections[1].title in text.splitlines(), text
+    # rank 0 runs on GPU 0, which is not "no GPU" (it read "cpu")
+    assert [r[2] for r in sections[1].rows] == ["0", "1"]

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+
+# Not ``from typing import TYPE_CHECKING``: typing is not imported at run time here, nor in
+# the other modules a rank's bootstrap imports before the script runs (procs.py,
+# launch/watch/status.py, launch/ranks/_bootstrap.py): a script that never imports typing
+# does not pay for it under ``gpuwarden launch`` (mypy reads every name TYPE_CHECKING as true).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

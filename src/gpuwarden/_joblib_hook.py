@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import Any
 
-BACKEND_NAME = "gpuwarden"
+TYPE_CHECKING = False  # typing is not imported here at run time: see gpuwarden/__init__.py
+if TYPE_CHECKING:
+    from typing import Any
+
 _TARGET = "joblib.parallel"
 
 
@@ -31,7 +33,9 @@ def register(parallel_module: ModuleType | None = None) -> None:
     backend_module = sys.modules.get("gpuwarden.pool.joblib_backend")
     if backend_module is not None and not hasattr(backend_module, "GpuwardenBackend"):
         return  # that module's own import of joblib got here: it registers when it is done
-    from gpuwarden.pool.joblib_backend import GpuwardenBackend
+    # The backend's module names it (and registers it itself when it is imported first): this
+    # hook only decides when, and imports nothing of joblib's until joblib is there.
+    from gpuwarden.pool.joblib_backend import BACKEND_NAME, GpuwardenBackend
 
     parallel_module.register_parallel_backend(BACKEND_NAME, GpuwardenBackend)
 

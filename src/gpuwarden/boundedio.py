@@ -18,12 +18,13 @@ Errors: :class:`InputRefused` (a ``ValueError``) says why a file is not read; ``
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import stat
 import threading
 import time
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from gpuwarden.units import format_bytes
 
@@ -91,6 +92,19 @@ def read_regular(path: str | os.PathLike[str], *, max_bytes: int = MAX_PARSED_BY
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_json_object(path: str | os.PathLike[str], *, max_bytes: int = MAX_PARSED_BYTES,
+                     nofollow: bool = False) -> dict[str, Any] | None:
+    """The JSON object in the regular file ``path``, read as :func:`read_regular` does; None
+    when there is none: missing, unreadable, refused, not JSON, or not an object. For the
+    files gpuwarden's own processes leave for each other (a rank's error record, a store
+    watch's peers file, a launcher's registry record), where "nothing usable" is an answer."""
+    try:
+        data = json.loads(read_regular(path, max_bytes=max_bytes, nofollow=nofollow))
+    except (OSError, ValueError, RecursionError):  # InputRefused is a ValueError
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def decode_utf8(data: bytes) -> str:

@@ -121,7 +121,7 @@ def _detect_world(env: Mapping[str, str]) -> WorldEnv:
         return WorldEnv(num("RANK"), world, num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", world),
                         _master_addr(env, None), num("MASTER_PORT", 29500), launcher)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        from gpuwarden.launch.slurm import slurm_master
+        from gpuwarden.launch.multinode.slurm import slurm_master
 
         # The same address and port on every task of a job without any exchange, and the same
         # as `srun gpuwarden launch` derives; distinct ports for distinct jobs.
@@ -287,10 +287,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         payload = os.path.join(work, "payload.pkl")
         with open(payload, "wb") as f:
             _pickler().dump((fn, tuple(args)), f)
-        config = LaunchConfig(target="gpuwarden.launch._bootstrap", module=True, nproc=nprocs, cpu=cpu,
+        config = LaunchConfig(target="gpuwarden.launch.ranks._bootstrap", module=True, nproc=nprocs, cpu=cpu,
                               stall_timeout_s=parse_duration(stall_timeout, what="stall_timeout"),
                               grace_s=parse_duration(grace, what="grace"))
-        argv = (sys.executable, "-m", "gpuwarden.launch._bootstrap", "--call", payload)
+        argv = (sys.executable, "-m", "gpuwarden.launch.ranks._bootstrap", "--call", payload)
         report, _ = launch(config, argv=argv, run_dir=work)
         if not report.ok:
             raise SpawnError(report.what, why=report.why, fix=report.fix,

@@ -132,6 +132,12 @@ class GpuwardenError(Exception):
             self.code = code
         self.fields: dict[str, Any] = dict(fields or {})
 
+    def __str__(self) -> str:
+        # What the CLI prints, not only ``what``: a library user sees str(e) (a traceback, a
+        # log line, a notebook), and the why, the fix and the evidence (each GPU's verdict for
+        # a lease) are the point of the error.
+        return self.render()
+
     @property
     def finding(self) -> Finding:
         return Finding(code=self.code, what=self.what, why=self.why, fix=self.fix,

@@ -8,7 +8,7 @@ Three sources, each saying only what it may:
   every user anyway (a host mounted with ``hidepid`` hides other users' here too);
 - the lease directory, through :func:`gpuwarden.lease.list_leases` (what ``gpuwarden leases``
   shows): the GPUs each holder leased, pools and Dask workers included;
-- this user's launchers, through their control endpoints (``launch/control.py``): ranks, phases,
+- this user's launchers, through their control endpoints (``launch/observer/control.py``): ranks, phases,
   stalls, stragglers. Another user's endpoints sit in their own 0700 directory: the kernel
   refuses a connection, so their jobs are listed without any of it.
 
@@ -118,7 +118,7 @@ def gpuwarden_kind(argv: list[str]) -> str | None:
 
 def scan_processes(proc: str = "/proc") -> list[Job]:
     """gpuwarden's commands in the process table, every user's."""
-    from gpuwarden.launch.control import process_start_ticks
+    from gpuwarden.launch.observer.control import process_start_ticks
 
     me = os.getuid()
     boot = _boot_time()
@@ -193,14 +193,14 @@ def _uid_of(pid: int) -> int | None:
 
 
 def _ask_status(path: Path) -> dict[str, Any]:
-    from gpuwarden.launch.control import ask
+    from gpuwarden.launch.observer.control import ask
 
     return ask(path, {"op": "status"}, timeout_s=ASK_TIMEOUT_S)
 
 
 def list_jobs(*, leases: bool = True) -> JobTable:
     """Every gpuwarden job of this host, with this user's launches asked for their ranks."""
-    from gpuwarden.launch.control import EndpointError, registered_jobs
+    from gpuwarden.launch.observer.control import EndpointError, registered_jobs
 
     notes: list[str] = []
     jobs = {j.pid: j for j in scan_processes()}
@@ -291,7 +291,7 @@ def find_job(job: str | None) -> Target:
     Raises JobNotFoundError (no such job, exit 2), JobQueryError (JOB_NOT_FOUND: none runs),
     UsageError (several run and none was named)."""
     from gpuwarden.errors import JobNotFoundError, JobQueryError
-    from gpuwarden.launch.control import registered_jobs, runtime_dirs
+    from gpuwarden.launch.observer.control import registered_jobs, runtime_dirs
 
     mine = registered_jobs()
     if job is None:
@@ -360,7 +360,7 @@ def ask_job(target: Target, request: dict[str, Any], timeout_s: float) -> dict[s
     import errno
 
     from gpuwarden.errors import JobDeniedError, JobNotFoundError, JobQueryError
-    from gpuwarden.launch.control import EndpointError, ask
+    from gpuwarden.launch.observer.control import EndpointError, ask
 
     denied: EndpointError | None = None
     for path in target.paths:

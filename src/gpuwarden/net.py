@@ -14,7 +14,6 @@ timed out vs. no route vs. unknown name), because each has a different cause:
 from __future__ import annotations
 
 import errno
-import ipaddress
 import socket
 import threading
 import time
@@ -76,6 +75,8 @@ class ProbeResult:
 
 
 def is_loopback(address: str) -> bool:
+    import ipaddress  # here, not at the top: a launch of one node picks its port without it
+
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
@@ -88,6 +89,8 @@ def resolve(host: str, *, timeout_s: float = 3.0) -> Resolution:
     getaddrinfo has no timeout of its own and can block for the resolver's full
     retry cycle, so it runs in a daemon thread that we stop waiting for.
     """
+    import ipaddress
+
     start = time.monotonic()
     try:
         ipaddress.ip_address(host)
@@ -283,6 +286,8 @@ def parse_ifname_spec(raw: str, *, exact: bool = False) -> IfnameSpec:
 
 def usable_address(address: str) -> bool:
     """An address NCCL's socket bootstrap would use: IPv4, or IPv6 that is not link-local."""
+    import ipaddress
+
     try:
         ip = ipaddress.ip_address(address.split("%")[0])
     except ValueError:

@@ -8,8 +8,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+
+TYPE_CHECKING = False  # neither typing nor dataclasses at run time: see gpuwarden/__init__.py
+if TYPE_CHECKING:
+    from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -93,16 +95,19 @@ def short_command(argv: Sequence[str], width: int = 80) -> str:
     return f"{text[:head]}…{text[-(width - head - 1):]}"
 
 
-@dataclass(frozen=True)
 class ProcStat:
     """A process as /proc/PID/stat tells it: what identifies it across pid reuse (its start
-    time, in clock ticks since boot) and the group and session it is in now."""
+    time, in clock ticks since boot) and the group and session it is in now. (A plain class,
+    not a dataclass: the rank bootstrap imports this module, dataclasses costs it ~6 ms.)"""
 
-    pid: int
-    ppid: int
-    pgrp: int
-    session: int
-    start_ticks: int
+    __slots__ = ("pid", "ppid", "pgrp", "session", "start_ticks")
+
+    def __init__(self, pid: int, ppid: int, pgrp: int, session: int, start_ticks: int) -> None:
+        self.pid = pid
+        self.ppid = ppid
+        self.pgrp = pgrp
+        self.session = session
+        self.start_ticks = start_ticks
 
 
 def proc_stat(pid: int) -> ProcStat | None:

@@ -29,9 +29,12 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 from gpuwarden.errors import VisibilityError
-from gpuwarden.inventory.snapshot import GPUSnapshot
+
+if TYPE_CHECKING:  # only named here: a launch's plan imports this module for CHILD_ORDER_ENV
+    from gpuwarden.inventory.snapshot import GPUSnapshot
 
 CHILD_ORDER_ENV = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
@@ -94,7 +97,7 @@ def parse_visibility(host_gpus: Sequence[GPUSnapshot], env: Mapping[str, str] | 
     return Visibility(gpus, tuple(notes), stopped_at)
 
 
-_Chosen = tuple[tuple[GPUSnapshot, ...], str | None]  # the devices, the entry CUDA stopped at
+_Chosen: TypeAlias = "tuple[tuple[GPUSnapshot, ...], str | None]"  # the devices, the entry CUDA stopped at
 
 
 def _apply_cvd(raw: str, host: tuple[GPUSnapshot, ...], notes: list[str]) -> _Chosen:

@@ -10,7 +10,6 @@ input, 3 no GPU/NVML where one is required, 4 constraint not met.
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import sys
@@ -19,6 +18,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 from gpuwarden import __version__
 from gpuwarden.errors import EXIT_FAILURE, EXIT_USAGE, GpuwardenError
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
@@ -51,6 +52,13 @@ class CliParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         from gpuwarden.errors import UsageError
 
+        lead = "the following arguments are required: "
+        if message.startswith(lead):
+            # argparse lists a REMAINDER positional (launch's ARGS) as required: it is not
+            optional = {a.metavar or a.dest for a in self._actions
+                        if not a.option_strings and a.nargs in (argparse.REMAINDER, "*", "?")}
+            names = [n for n in message[len(lead):].split(", ") if n not in optional]
+            message = lead + ", ".join(names)
         raise UsageError(f"{self.prog}: {message}", fix=f"`{self.prog} --help` lists every option")
 
 
@@ -75,6 +83,8 @@ def nearest_option(flag: str, options: Iterable[str], aliases: Mapping[str, str]
             best, best_len = option, shared
     if best is not None and best_len >= min(4, len(typed), len(norm(best))):
         return best
+    import difflib  # only for a mistyped flag
+
     close = difflib.get_close_matches(typed, [norm(o) for o in longs], n=1, cutoff=0.6)
     return next((o for o in longs if close and norm(o) == close[0]), None)
 
@@ -86,7 +96,9 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``gpuwarden`` parser; ``only``: a command line that names this subcommand needs no
+    other, and their modules are not imported (``gpuwarden launch`` starts faster)."""
     parser = CliParser(
         prog="gpuwarden",
         description="CUDA that works across processes: GPU inventory and selection through NVML, "
@@ -99,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in COMMANDS if only is None else (only,):
         module = importlib.import_module(f"gpuwarden.cli.{name.replace('-', '_')}")
         module.add_parser(sub)
     return parser
@@ -113,18 +125,19 @@ def main(argv: Sequence[str] | None = None, *, inventory: Inventory | None = Non
     """
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["launch"]:  # several nodes: the node agent's torch import starts first
-        from gpuwarden.launch import node_agent
+        from gpuwarden.launch.multinode import early
 
-        node_agent.start_early(words)
+        early.start_early(words)
     try:
         return _main(argv, inventory)
     finally:
         if words[:1] == ["launch"]:
-            node_agent.discard_early()
+            early.discard_early()
 
 
 def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help/--version exit 0
@@ -144,6 +157,10 @@ def _main(argv: Sequence[str] | None, inventory: Inventory | None) -> int:
     except KeyboardInterrupt:  # commands that wait say what they were doing; this is the rest
         print("gpuwarden: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gpuwarden ls --watch 1 | head -3`): a quiet end, with the exit
+        # status of a process SIGPIPE stopped, as `yes | head` gives.
+        return EXIT_BROKEN_PIPE
     except MemoryError:
         # gpuwarden's own process hit its memory limit (ulimit -v, a cgroup's memory.max):
         # a report, not a traceback. What it started was stopped on the way out (launch's
@@ -188,4 +205,12 @@ def inventory_of(args: argparse.Namespace) -> Inventory:
 
 
 def console_main() -> None:
-    sys.exit(main())
+    code = main()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = EXIT_BROKEN_PIPE
+    if code == EXIT_BROKEN_PIPE:
+        # Python flushes stdout once more at exit, and would print a BrokenPipeError then.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(code)

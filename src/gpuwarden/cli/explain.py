@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(failure_codes_markdown(kb))
         return EXIT_FOUND
+    if args.file in (None, "-") and sys.stdin.isatty():
+        # A blank screen otherwise: say what it waits for, and how to end it.
+        print("gpuwarden explain: reading a log from standard input: paste it, then press "
+              "Ctrl-D on a line of its own (or give a file: gpuwarden explain LOG)",
+              file=sys.stderr)
     diag = explain_file(args.file, kb)
     if args.json:
         emit_json(diag.to_dict())

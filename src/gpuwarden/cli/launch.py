@@ -415,7 +415,9 @@ def _slurm(rdzv: dict[str, Any]) -> Any:
     the node count, this node's index (static), node 0's address and port (static), and the
     job's hosts, which waits name when a node is missing. Updates ``rdzv``; Slurm's settings
     (None outside Slurm)."""
-    from gpuwarden.launch.slurm import slurm_settings
+    if not (os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")):
+        return None  # not in an allocation (slurm_settings says the same)
+    from gpuwarden.launch.multinode.slurm import slurm_settings
 
     dynamic = rdzv["backend"] == "c10d"
     wants = rdzv["nnodes"] is None or (not dynamic and (
@@ -469,14 +471,15 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwarden.launch import node_agent
-
     config = config_from_args(args)
     agent = None
     if config.multinode:
+        from gpuwarden.launch.multinode.early import take_early
+        from gpuwarden.launch.multinode.node_agent import NodeAgent
+
         # Several nodes: torch's rendezvous runs in the node agent, whose torch import is the
         # longest step before the ranks start; `gpuwarden launch` started it before parsing.
-        agent = node_agent.take_early() or node_agent.NodeAgent.start()
+        agent = take_early() or NodeAgent.start()
     from gpuwarden.cli import inventory_of
     from gpuwarden.launch.runner import launch
 
@@ -493,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"gpuwarden: {note}", file=sys.stderr)
     try:
-        inventory = inventory_of(args)
+        # --cpu reads no GPU: the default inventory (NVML's module) is not even made
+        inventory = getattr(args, "inventory", None) if config.cpu else inventory_of(args)
     except BaseException:
         if agent is not None:
             agent.close()  # launch() ends it from here on

@@ -121,11 +121,20 @@ def _pid(record: Any) -> str:
 
 
 def _init(args: argparse.Namespace) -> int:
+    from gpuwarden.errors import UsageError
     from gpuwarden.inventory import read_host
     from gpuwarden.lease._fs import SHARED_LEASE_DIR
     from gpuwarden.lease.admin import DEFAULT_MAX_SLOTS, init_shared_dir
 
     host = read_host()
+    if host.source != "nvml" and args.init_dir is None:
+        # The host's shared directory holds the lock files of its real GPUs: made for a
+        # simulated host's, they would stand there for GPUs that do not exist.
+        raise UsageError(
+            f"leases init would prepare {SHARED_LEASE_DIR} for the GPUs of a simulated host "
+            f"({host.source})",
+            fix="unset GPUWARDEN_SIMULATE to prepare this host's real GPUs, or "
+            "give --dir D to prepare a directory of your own for the simulated ones")
     uuids = [u for g in host.gpus for u in (g.uuid, *(m.uuid for m in g.mig_devices))]
     report = init_shared_dir(args.init_dir or Path(SHARED_LEASE_DIR), uuids, group=args.group,
                              max_slots=args.slots_per_gpu or DEFAULT_MAX_SLOTS)

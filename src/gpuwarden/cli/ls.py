@@ -26,17 +26,22 @@ from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, H
 from gpuwarden.safetext import escape_untrusted
 from gpuwarden.units import format_bytes, format_duration
 
-DEFAULT_WIDTH = 80  # piped output, and the narrowest terminal the default view is laid out for
+DEFAULT_WIDTH = 80  # piped output; a terminal's own width otherwise
+MIN_WIDTH = 40  # below this, lines wrap rather than lose more columns
 DEFAULT_WATCH_S = 2.0
+MIG_ID_IN_ROW = 16  # a MIG instance's shortest unique id up to this long is shown in its row
 
 
 def _interval(text: str) -> float:
     from gpuwarden.units import parse_duration
 
+    out_of_range = UsageError(f"--watch {text}: the refresh interval must be between 0.1 s "
+                              "and 1 h", fix="e.g. --watch 2 (seconds) or --watch 1m")
+    if text.strip().startswith("-"):  # not parse_duration's "0 or more": 0 is refused too
+        raise out_of_range
     seconds = parse_duration(text, what="--watch")
     if not 0.1 <= seconds <= 3600:
-        raise UsageError(f"--watch {text}: the refresh interval must be between 0.1 s and 1 h",
-                         fix="e.g. --watch 2 (seconds) or --watch 1m")
+        raise out_of_range
     return seconds
 
 
@@ -108,6 +113,13 @@ class View:
     # pid -> %CPU measured between two refreshes of --watch
     cpu_pct: Mapping[int, float] | None = None
 
+    @property
+    def short_ids(self) -> dict[str, str]:
+        """uuid -> the shortest prefix (12 characters at least: ``MIG-`` and 8 hex digits) that
+        names that device alone on this host: what ``CUDA_VISIBLE_DEVICES`` then accepts."""
+        uuids = [u for g in self.host.gpus for u in (g.uuid, *(m.uuid for m in g.mig_devices))]
+        return {u: unique_prefix(u, uuids) for u in uuids}
+
     def to_json(self) -> dict[str, Any]:
         gpus = []
         for g in self.gpus:
@@ -121,6 +133,16 @@ class View:
         if self.visibility_error is not None:
             notes.append(self.visibility_error.render())
         return {"host": self.host.to_dict(), "gpus": gpus, "notes": notes}
+
+
+def unique_prefix(uuid: str, uuids: Sequence[str], shortest: int = 12) -> str:
+    """The shortest prefix of ``uuid``, at least ``shortest`` long, that no other uuid starts
+    with (the whole uuid when another one starts with all of it)."""
+    others = [u for u in uuids if u != uuid]
+    for n in range(min(shortest, len(uuid)), len(uuid) + 1):
+        if not any(o.startswith(uuid[:n]) for o in others):
+            return uuid[:n]
+    return uuid
 
 
 def read_view(inventory: Any, gpu_ids: Sequence[str] = (), user: str | None = None,
@@ -212,6 +234,9 @@ def render(view: View, width: int = DEFAULT_WIDTH) -> list[str]:
             extra[len(rows) - 1] = ["! " + "; ".join(problems)]
         for k, m in enumerate(g.mig_devices):
             rows.append(_gpu_row(view, m, f"{g.index}:{k}"))
+            short = view.short_ids.get(m.uuid, m.uuid)
+            if len(short) > MIG_ID_IN_ROW:  # uuids alike for long: said whole, under the row
+                extra[len(rows) - 1] = [f"id {short}"]
     table = _align(head, rows, width, flex=head.index("name"))
     lines.append(table[0])
     for i, line in enumerate(table[1:]):
@@ -236,9 +261,11 @@ def _title(view: View) -> str:
 def _gpu_row(view: View, g: GPUSnapshot, label: str) -> list[str]:
     h = g.health
     name = _short_name(g.name)
-    if g.is_mig_instance:  # its profile, and the uuid CUDA_VISIBLE_DEVICES names it by
-        profile = name[name.find("MIG "):] if "MIG " in name else "MIG"
-        name = f"{profile} {g.uuid[:12]}"
+    if g.is_mig_instance:  # the uuid CUDA_VISIBLE_DEVICES names it by, then its profile
+        profile = name[name.find("MIG ") + 4:] if "MIG " in name else ""
+        short = view.short_ids.get(g.uuid, g.uuid)
+        # An id is never cut: one too long for the column goes on a line of its own (render)
+        name = f"{short} {profile}".rstrip() if len(short) <= MIG_ID_IN_ROW else f"MIG {profile}"
     if g.error is not None:
         row = [label, name, "?", "?", "?", "?", "unusable"]
     else:
@@ -315,6 +342,9 @@ def _cpu(p: GPUProcess, pct: Mapping[int, float] | None) -> str:
 # Readings a host may lack altogether (a scenario without them, a board without the sensors,
 # processes of other users under hidepid): a column with nothing known is left out.
 _OPTIONAL_COLUMNS = ("temp", "power", "cpu time", "%CPU", "host mem", "age")
+# Dropped in this order when a line cannot fit a narrow terminal (`ls` at 60 columns).
+_NARROW_DROP_ORDER = ("power", "host mem", "temp", "age", "cpu time", "%CPU", "mode", "util",
+                      "user")
 
 
 def _align(head: list[str], rows: list[list[str]], width: int, *, flex: int) -> list[str]:
@@ -327,8 +357,18 @@ def _align(head: list[str], rows: list[list[str]], width: int, *, flex: int) -> 
         head = [c for i, c in enumerate(head) if i not in unknown]
         rows = [[c for i, c in enumerate(r) if i not in unknown] for r in rows]
         flex = head.index(flex_name)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    # A narrow terminal: columns go, least needed first, before the flex column is cut below
+    # its heading; ids (GPU, pid) and memory never go, and are never cut.
+    for name in _NARROW_DROP_ORDER:
+        if sum(widths) + 2 * (len(head) - 1) - (widths[flex] - len(head[flex])) <= width:
+            break
+        if name in head and name != flex_name:
+            i = head.index(name)
+            head, widths = head[:i] + head[i + 1:], widths[:i] + widths[i + 1:]
+            rows = [r[:i] + r[i + 1:] for r in rows]
+            flex = head.index(flex_name)
     cols = len(head)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(cols)]
     overflow = sum(widths) + 2 * (cols - 1) - width
     if overflow > 0:
         widths[flex] = max(len(head[flex]), widths[flex] - overflow)
@@ -352,8 +392,10 @@ def _cut(text: str, width: int) -> str:
 
 
 def _width(stream: TextIO) -> int:
+    """The terminal's width, narrow ones too (columns are dropped to fit, as nvitop does);
+    80 when piped."""
     if is_terminal(stream):
-        return max(DEFAULT_WIDTH, shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
+        return max(MIN_WIDTH, shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns)
     return DEFAULT_WIDTH
 
 

@@ -46,7 +46,7 @@ def fetch(job: str | None, *, all_threads: bool, timeout_s: float) -> dict[str, 
     """The job's answer with the groups added (what --json prints)."""
     from gpuwarden.errors import JobQueryError
     from gpuwarden.jobs import ask_job, find_job
-    from gpuwarden.launch.observe import group_stacks
+    from gpuwarden.launch.observer.observe import group_stacks
 
     target = find_job(job)
     answer = ask_job(target, {"op": "stacks", "scope": "job", "all_threads": all_threads},

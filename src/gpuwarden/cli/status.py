@@ -200,7 +200,7 @@ def _job_section(job: dict[str, Any], launch: dict[str, Any]) -> Section:
     odd = set(stall.get("elsewhere") or []) | ({straggler["rank"]} if straggler else set())
     for i, row in enumerate(launch.get("ranks", [])):
         mem = row.get("gpu_memory_bytes")
-        sec.rows.append([str(row.get("rank")), str(row.get("pid")), str(row.get("gpu") or "cpu"),
+        sec.rows.append([str(row.get("rank")), str(row.get("pid")), "cpu" if row.get("gpu") is None else str(row["gpu"]),
                          _phase(row),
                          f"{row['for_s']:.1f} s" if isinstance(row.get("for_s"), (int, float)) else "-",
                          _num(row.get("cpu_cores"), ".2f"),
@@ -244,6 +244,11 @@ def to_plain(sections: list[Section]) -> str:
     return "\n".join(out) + "\n"
 
 
+# Columns dropped, in this order, when a table cannot fit the terminal (`status` at 60 columns).
+NARROW_DROP_ORDER = ("KIND", "AGE", "CPU", "SEEN FOR", "GPU MEM", "USER", "RANKS", "GPUS", "GPU")
+MIN_LAST_COLUMN = 12
+
+
 def to_rich(sections: list[Section], width: int = 120) -> Any:
     from rich.console import Group
     from rich.table import Table
@@ -251,23 +256,36 @@ def to_rich(sections: list[Section], width: int = 120) -> Any:
 
     parts: list[Any] = []
     for sec in sections:
-        table = Table(title=Text(sec.title), title_justify="left", show_edge=False, pad_edge=False)
+        # The title is a line of its own, wrapped at the terminal's width (as a table title it
+        # wrapped at the table's).
+        parts.append(Text(sec.title, style="bold"))
+        if not sec.rows:
+            parts += [Text(text, style=style) for style, text in sec.lines]
+            parts.append(Text(""))
+            continue
+        columns, rows = sec.columns, sec.rows
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        # A narrow terminal: whole columns go (least needed first) before any id is squeezed;
+        # the ids `stacks` and `kill` need (JOB, RANK, PID) are never cut.
+        for name in NARROW_DROP_ORDER:
+            if sum(widths[:-1]) + 3 * (len(widths) - 1) + MIN_LAST_COLUMN <= width:
+                break
+            if name in columns[:-1]:
+                i = columns.index(name)
+                columns, widths = columns[:i] + columns[i + 1:], widths[:i] + widths[i + 1:]
+                rows = [r[:i] + r[i + 1:] for r in rows]
         # One line per row: the short columns keep their width, the last one (a command, where
         # a rank is) gets what is left of the terminal and is cut there.
-        widths = [max(len(c), *(len(r[i]) for r in sec.rows)) if sec.rows else len(c)
-                  for i, c in enumerate(sec.columns)]
-        room = max(12, width - sum(widths[:-1]) - 3 * (len(widths) - 1))
-        for col in sec.columns[:-1]:
-            table.add_column(col, no_wrap=True)
-        table.add_column(sec.columns[-1], no_wrap=True, overflow="ellipsis", max_width=room)
-        for n, row in enumerate(sec.rows):
+        room = max(MIN_LAST_COLUMN, width - sum(widths[:-1]) - 3 * (len(widths) - 1))
+        table = Table(show_edge=False, pad_edge=False)
+        for col, w in zip(columns[:-1], widths, strict=False):
+            table.add_column(col, no_wrap=True, min_width=w)
+        table.add_column(columns[-1], no_wrap=True, overflow="ellipsis", max_width=room)
+        for n, row in enumerate(rows):
             cells = [*row[:-1], row[-1] if len(row[-1]) <= room else row[-1][:room - 1] + "…"]
             table.add_row(*(Text(cell) for cell in cells),
                           style="bold yellow" if n in sec.marked else None)
-        if sec.rows:
-            parts.append(table)
-        else:
-            parts.append(Text(sec.title, style="bold"))
+        parts.append(table)
         parts += [Text(text, style=style) for style, text in sec.lines]
         parts.append(Text(""))
     return Group(*parts)

@@ -70,10 +70,13 @@ def explain_stream(stream: BinaryIO, kb: KnowledgeBase | None = None,
     stream holds a NUL byte (binary data, not a log).
     """
     ex = Explainer(kb or load_knowledge(), source)
-    first = True
+    # read1: what one read of the source gives. read() would go on reading until the block is
+    # full, and a terminal then needed Ctrl-D twice (its first end of input only ends a read).
+    read = getattr(stream, "read1", stream.read)
+    sniffed = 0
     while True:
         try:
-            data = stream.read(BLOCK_BYTES)
+            data = read(BLOCK_BYTES)
         # a truncated gzip (EOFError), a corrupt one (zlib.error, not an OSError),
         # an I/O error mid-way
         except (OSError, EOFError, zlib.error) as exc:
@@ -81,13 +84,13 @@ def explain_stream(stream: BinaryIO, kb: KnowledgeBase | None = None,
                                        fix="give a complete, readable log") from exc
         if not data:
             break
-        if first and b"\x00" in data[:_SNIFF_BYTES]:
+        if sniffed < _SNIFF_BYTES and b"\x00" in data[:_SNIFF_BYTES - sniffed]:
             raise InputUnreadableError(
                 f"{source} is binary data, not a log",
                 why="its first bytes hold NUL characters",
                 fix="give the text log (stdout/stderr of the job), not a core dump or a checkpoint",
             )
-        first = False
+        sniffed += len(data)
         ex.feed_bytes(data)
     return ex.result()
 

@@ -112,7 +112,7 @@ def _field_names(e: CodeEntry) -> list[str]:
     return list(names)
 
 
-_ERROR_MODULES = ("gpuwarden.pool.errors", "gpuwarden.launch.node_agent", "gpuwarden.distributed")
+_ERROR_MODULES = ("gpuwarden.pool.errors", "gpuwarden.launch.multinode.node_agent", "gpuwarden.distributed")
 
 
 def _raised_as() -> dict[str, list[type[errors.GpuwardenError]]]:

@@ -130,6 +130,11 @@ class GPUHealth:
             out.append("memory repair pending a GPU reset")
         if self.slowdowns:
             out.append("slowed: " + ", ".join(self.slowdowns))
+        if self.nvlinks_total and self.nvlinks_active is not None \
+                and self.nvlinks_active < self.nvlinks_total:
+            # NCCL then routes through PCIe or host memory: collectives run several times slower
+            out.append(f"{self.nvlinks_total - self.nvlinks_active} of {self.nvlinks_total} "
+                       "NVLinks down")
         return tuple(out)
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpuwarden.boundedio import kind_of
@@ -62,7 +64,7 @@ class LaunchConfig:
     wait_s: float | None = None
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     keep_waiting: bool = False
-    straggler_note: bool = True  # one stderr line when a straggler persists (launch/straggler.py)
+    straggler_note: bool = True  # one stderr line when a straggler persists (launch/watch/straggler.py)
     grace_s: float = DEFAULT_GRACE_S
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None
@@ -86,7 +88,7 @@ class LaunchConfig:
     expected_hosts: tuple[str, ...] = ()
     role: str = "default"
     max_restarts: int = 0
-    # --max-restarts' policy (launch/restart.py): "auto" decides from the failure, "always" is
+    # --max-restarts' policy (launch/restart/policy.py): "auto" decides from the failure, "always" is
     # torchrun's; the backoff is the wait between an attempt's end and the next one's start.
     restart_on: str = "auto"
     restart_backoff_s: float = 1.0
@@ -182,8 +184,6 @@ def _validate(c: LaunchConfig) -> None:
                          "resolves a relative path against wherever that process stands",
                          fix=f"--run-path {os.path.abspath(c.target)}")
     _validate_signals(c.signals_to_handle)
-    from gpuwarden.launch.relay import parse_std_spec
-
     parse_std_spec(c.redirects, what="--redirects")
     parse_std_spec(c.tee, what="--tee")
     if c.master_port is not None and not 1 <= c.master_port <= 65535:
@@ -286,8 +286,6 @@ def check_script(path: str, *, executable: bool = False) -> None:
 
 
 def _validate_signals(names: tuple[str, ...]) -> None:
-    import signal
-
     for name in names:
         sig = getattr(signal, name, None)
         if not name.startswith("SIG") or not isinstance(sig, signal.Signals):
@@ -296,3 +294,56 @@ def _validate_signals(names: tuple[str, ...]) -> None:
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise UsageError(f"--signals-to-handle: {name} cannot be caught, so not passed on",
                              fix=f"drop {name}")
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """Signals that stop the job, passed on to every rank (torchrun's default
+    --signals-to-handle). Always handled: left to their default action they would kill
+    gpuwarden alone, and its ranks only through PDEATHSIG, without the grace period."""
+    return tuple(getattr(signal, name) for name in STOP_SIGNALS)
+
+
+def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signals, ...]:
+    """Signals passed on to every rank's process group while the job goes on: SIGUSR1 and
+    SIGUSR2 (Slurm's preemption notice, ``--signal=USR1@60``), and any other signal that
+    --signals-to-handle names."""
+    names = dict.fromkeys((*FORWARDED_SIGNALS, *signals_to_handle))
+    # SIGCHLD is the supervisor's own wake-up (its ranks' deaths), never a message for them
+    return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
+
+
+# torchrun's Std values for --redirects and --tee: which of a rank's streams go to its log files
+STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
+
+
+def parse_std_spec(text: str, *, what: str = "--redirects") -> int | dict[int, int]:
+    """torchrun's Std spec: ``"3"`` for every local rank, or ``"0:1,1:2"`` per local rank
+    (0 none, 1 stdout, 2 stderr, 3 both). UsageError (exit 2) on anything else."""
+    fix = f"{what} 3 (stdout and stderr of every rank), or per local rank: {what} 0:1,1:2"
+
+    def one(value: str) -> int:
+        if value.strip() not in ("0", "1", "2", "3"):
+            raise UsageError(f"{what} {text!r}: {value!r} is not 0, 1, 2 or 3", fix=fix)
+        return int(value)
+
+    text = str(text).strip()
+    if ":" not in text:
+        return one(text)
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        rank, sep, value = item.partition(":")
+        if not sep or not rank.strip().isdigit():
+            raise UsageError(f"{what} {text!r}: {item!r} is not LOCAL_RANK:STREAMS", fix=fix)
+        out[int(rank)] = one(value)
+    return out
+
+
+def std_for(spec: int | dict[int, int], local_rank: int) -> int:
+    return spec if isinstance(spec, int) else spec.get(local_rank, STD_NONE)
+
+
+def needs_log_files(redirects: str, tee: str, filters: Iterable[str]) -> bool:
+    """Whether a launch writes log files at all (torchrun then makes a directory even without
+    --log-dir)."""
+    return parse_std_spec(redirects) != STD_NONE or parse_std_spec(tee, what="--tee") != STD_NONE \
+        or any(True for _ in filters)

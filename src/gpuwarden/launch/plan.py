@@ -9,16 +9,16 @@ gives a worker, so torchrun scripts run unchanged (docs/launch.md lists every di
   default); ``--bind rank`` (torchrun's ``--virtual-local-rank``) names only the rank's own GPU,
   which is then ``cuda:0``, with ``LOCAL_RANK=0``; ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so an index
   means NVML's GPU;
-- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden.launch._bootstrap`) where to write its
+- ``GPUWARDEN_*`` variables that tell the bootstrap (:mod:`gpuwarden.launch.ranks._bootstrap`) where to write its
   progress, error record and stack dumps.
 
 The command is torchrun's (``python -u SCRIPT``, ``PYTHON_EXEC`` honoured) with the bootstrap
-in between: ``python -u -m gpuwarden.launch._bootstrap SCRIPT ARGS``; ``--no-python`` runs the target itself.
+in between: ``python -u -m gpuwarden.launch.ranks._bootstrap SCRIPT ARGS``; ``--no-python`` runs the target itself.
 
 With ``--nnodes N --node-rank R`` (docs/multinode.md) ranks are numbered node by node as in
 torchrun's static rendezvous: this node's K ranks are ``R*K .. R*K+K-1``, ``WORLD_SIZE`` is
 ``N*K``, ``GROUP_RANK`` is R, and each rank gets ``GPUWARDEN_PEERS_FILE``, where its bootstrap's
-store watch (:mod:`gpuwarden.launch._store_watch`) reports what it learns from the job's TCPStore.
+store watch (:mod:`gpuwarden.launch.multinode._store_watch`) reports what it learns from the job's TCPStore.
 
 ``TORCHELASTIC_USE_AGENT_STORE`` is ``False`` on one node: there is no agent-hosted TCPStore
 (hosting one would need torch in the supervisor); rank 0 hosts the store, as with plain
@@ -30,16 +30,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.flight_recorder import recorder_env
 from gpuwarden.visibility import CHILD_ORDER_ENV
+
+if TYPE_CHECKING:
+    from gpuwarden.inventory.snapshot import GPUSnapshot
 
 
 @dataclass(frozen=True)
 class RankFiles:
-    status: str  # mmap'd progress record (launch/status.py)
+    status: str  # mmap'd progress record (launch/watch/status.py)
     error: str  # JSON record of an uncaught exception
     stacks: str  # faulthandler dumps on request (status.STACK_SIGNAL), sampled by the supervisor
     fatal: str  # faulthandler dump on a fatal signal (SIGSEGV, SIGABRT, SIGBUS...)
@@ -113,7 +115,7 @@ def rank_argv(config: LaunchConfig, python: str) -> tuple[str, ...]:
     if config.no_python and not config.run_path:
         return (config.target, *config.args)
     tail = ("-m", config.target) if config.module else (config.target,)
-    return (python, "-u", "-m", "gpuwarden.launch._bootstrap", *tail, *config.args)
+    return (python, "-u", "-m", "gpuwarden.launch.ranks._bootstrap", *tail, *config.args)
 
 
 def error_file(log_run_dir: str, local_rank: int, attempt: int = 0) -> str:
@@ -234,6 +236,8 @@ def make_plan(
             env["GPUWARDEN_PEERS_FILE"] = files.peers
         mates: tuple[int, ...] = ()
         if gpu is not None:
+            from gpuwarden.launch.watch.flight_recorder import recorder_env
+
             env.update(recorder_env(run_dir, base_env))  # NCCL's flight recorder, for stalls
             env["GPUWARDEN_GPU"] = gpu.label
             if config.bind == "rank":

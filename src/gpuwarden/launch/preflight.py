@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError
-from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
-from gpuwarden.procs import short_command
-from gpuwarden.select import Constraints
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
+    from gpuwarden.inventory.snapshot import GPUSnapshot
+    from gpuwarden.select import Constraints
 
 
 @dataclass
@@ -47,7 +46,7 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     if config.cpu:
         return TakenGPUs((), ("--cpu: ranks run on CPU (gloo)",))
     from gpuwarden.inventory import Inventory
-    from gpuwarden.select import select
+    from gpuwarden.select import Constraints, select
 
     inventory = inventory or Inventory.from_env()
     try:
@@ -126,6 +125,8 @@ def choose_port(config: LaunchConfig) -> int:
 
 def _port_holders(port: int) -> list[str]:
     import psutil
+
+    from gpuwarden.procs import short_command
 
     try:
         conns = psutil.net_connections(kind="tcp")

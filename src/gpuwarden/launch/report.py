@@ -1,6 +1,7 @@
 """The one report of a launch: which rank failed first, how, where it ran, and the failure code.
 
-Built from the supervisor's :class:`RunOutcome` by pure functions. The root cause is the rank
+Built from the supervisor's :class:`~.outcome.RunOutcome` by pure functions, as a
+:class:`~.outcome.LaunchReport`. The root cause is the rank
 that failed first in time, but an echo (a peer's socket closed under a collective, a watchdog
 or collective timeout) is never the cause while a real one exists: a rank that failed of its
 own accord, or a rank that left (any exit code, 0 included) or died before the others started
@@ -12,14 +13,11 @@ is complete without it (exception, traceback tail, exit code or signal, pid, GPU
 
 from __future__ import annotations
 
-import re
 import signal
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpuwarden.findings import Finding, Section, Severity, render_plain
-from gpuwarden.launch.stall import Stall, main_thread_frames
-from gpuwarden.launch.supervisor import RankExit, RunOutcome
+from gpuwarden.launch.outcome import LaunchReport, RankExit, RunOutcome, is_echo
+from gpuwarden.launch.watch.stall import Stall, main_thread_frames
 from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
 from gpuwarden.safetext import escape_untrusted
 
@@ -29,17 +27,6 @@ if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank fai
 TRACEBACK_TAIL_LINES = 12
 EXIT_NODE_ABORTED = 1
 ECHO_WINDOW_S = 2.0
-
-# What a rank prints when a *peer* went away under a collective: a consequence, not a cause.
-_ECHO = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket closed|"
-    r"NCCL communicator was aborted|ProcessGroupGloo.*(?:Read|Write) error|"
-    r"\[enforce fail at .*gloo.*\].*(?:closed|reset)|remote process exited|peer .* closed|"
-    r"Watchdog caught collective operation timeout|Timed out waiting \d+ms for|"
-    r"Rank \d+ is closing|Gloo connectFullMesh failed|failed to recv, got 0 bytes",
-    re.IGNORECASE,
-)
-ECHO_TEXT = _ECHO  # what the supervisor's first-failure record for the job's store checks
 
 _SIGNAL_WHY = {
     "SIGKILL": ("SIGKILL cannot be caught: most often the kernel's out-of-memory killer (host RAM, "
@@ -61,52 +48,9 @@ _SIGNAL_WHY = {
 _NATIVE_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT"})
 
 
-@dataclass
-class LaunchReport:
-    """The outcome of a launch: its exit code and, as a :class:`~gpuwarden.findings.Finding`
-    (:attr:`finding`), what happened, why, the fix and the evidence."""
-
-    exit_code: int
-    code: str | None  # failure code (failure-codes.md or gpuwarden's own); None on success
-    what: str
-    why: str | None = None
-    fix: str | None = None
-    evidence: list[str] = field(default_factory=list)
-    # (heading, lines): the traceback tail, the stacks; printed indented under the evidence
-    sections: list[tuple[str, list[str]]] = field(default_factory=list)
-    root_rank: int | None = None
-    fields: dict[str, Any] = field(default_factory=dict)  # the evidence as data, for --json
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-    @property
-    def finding(self) -> Finding:
-        # A heading with nothing under it says nothing: a section comes only with its lines.
-        return Finding(code=self.code or "", what=self.what, why=self.why, fix=self.fix,
-                       evidence=self.evidence,
-                       sections=[Section(h, b) for h, b in self.sections if b],
-                       fields=self.fields, severity=Severity.OK if self.ok else Severity.ERROR)
-
-    def render(self) -> str:
-        return render_plain(self.finding)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "exit_code": self.exit_code, **self.finding.to_dict(),
-                "code": self.code, "root_rank": self.root_rank}
-
-
 def exit_words(returncode: int) -> str:
     """'exit code 3' or 'signal SIGKILL(-9)'."""
     return f"signal {describe_exit(returncode)}" if returncode < 0 else describe_exit(returncode)
-
-
-def is_echo(ex: RankExit) -> bool:
-    text = " ".join([str((ex.error or {}).get("message", "")), *ex.stderr_tail[-5:]])
-    # A death by signal is never an echo, unless the rank had raised first (and gpuwarden
-    # SIGKILLed its slow teardown): its own exception says what it was.
-    return (ex.returncode > 0 or ex.error is not None) and bool(_ECHO.search(text))
 
 
 def root_cause(exits: list[RankExit]) -> RankExit | None:
@@ -164,7 +108,7 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
 
 
 def _job_by() -> str:
-    from gpuwarden.launch.job_store import LAUNCHER_ID
+    from gpuwarden.launch.multinode.job_store import LAUNCHER_ID
 
     return LAUNCHER_ID
 
@@ -221,7 +165,7 @@ def _node_aborted_report(outcome: RunOutcome) -> LaunchReport:
 def _job_failure_report(outcome: RunOutcome, rec: dict[str, Any]) -> LaunchReport:
     """Another node's failure is the job's first (job_store.py): named as every node names it;
     this node's own failures are listed as its echoes, or as failures that came after it."""
-    from gpuwarden.launch import job_store
+    from gpuwarden.launch.multinode import job_store
 
     plan = outcome.plan
     kind = rec.get("kind")

@@ -1,9 +1,12 @@
 """One launch end to end: take GPUs → choose the port → plan → supervise → report
-(with ``--max-restarts``, again per attempt: launch/attempts.py).
+(with ``--max-restarts``, again per attempt: ``restart/attempts.py``).
 
 The GPUs (a lease, when the lease manager is installed) are held here, in the supervising
 process, for as long as ranks run; ranks never inherit the lease's file descriptors
-(``close_fds``).
+(``close_fds``). Each attempt's supervisor hosts the control endpoint (``observer/``) that
+``gpuwarden status`` and ``stacks`` ask. Several nodes (:class:`_MultiNode`): each attempt is
+a round of torch's rendezvous in the node agent, settled with the other nodes through the
+job's store; ``multinode/`` is imported only then.
 """
 
 from __future__ import annotations
@@ -18,16 +21,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
-from gpuwarden.inventory.snapshot import GPUSnapshot
-from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.job_store import JobRound, Settled, job_history
-from gpuwarden.launch.node_agent import AgentError, NodeAgent, Round
+from gpuwarden.launch.config import LaunchConfig, needs_log_files
+from gpuwarden.launch.observer.control import serve
+from gpuwarden.launch.outcome import Failure, LaunchReport, RunOutcome, Settled
 from gpuwarden.launch.plan import LaunchPlan, make_plan, rank_count
 from gpuwarden.launch.preflight import choose_port, take_gpus
-from gpuwarden.launch.relay import needs_log_files
-from gpuwarden.launch.report import LaunchReport, build_report, stall_report
-from gpuwarden.launch.restart import Failure, RestartPolicy
-from gpuwarden.launch.supervisor import RunOutcome, Stall, Supervisor
+from gpuwarden.launch.report import build_report, stall_report
+from gpuwarden.launch.supervisor import Supervisor
 
 # How long the node hosting the job's store keeps it up, at most, for nodes still ending (each
 # also stops being waited for once it has been silent NODE_LOST_S).
@@ -35,7 +35,12 @@ _DONE_WAIT_S = 300.0
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
-    from gpuwarden.launch.rendezvous import RendezvousPreflight
+    from gpuwarden.inventory.snapshot import GPUSnapshot
+    from gpuwarden.launch.multinode.job_store import JobRound
+    from gpuwarden.launch.multinode.node_agent import NodeAgent, Round
+    from gpuwarden.launch.multinode.rendezvous import RendezvousPreflight
+    from gpuwarden.launch.restart.policy import RestartPolicy
+    from gpuwarden.launch.watch.stall import Stall
 
 
 def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
@@ -58,9 +63,11 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     try:
         pre = None
         if config.multinode:
+            from gpuwarden.launch.multinode.node_agent import NodeAgent
+            from gpuwarden.launch.multinode.rendezvous import check_rendezvous
+
             # First thing: the agent's torch import overlaps the preflight and the GPU lease.
             agent = agent or NodeAgent.start()
-            from gpuwarden.launch.rendezvous import check_rendezvous
 
             # Before GPUs are leased: a node that cannot reach the rendezvous holds nothing.
             pre = check_rendezvous(config, dict(os.environ), err=err)
@@ -90,7 +97,7 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
 
         if not config.max_restarts:
             return run_attempt(0, 0, taken.gpus, tuple(notes))
-        from gpuwarden.launch.attempts import run_attempts
+        from gpuwarden.launch.restart.attempts import run_attempts
 
         return run_attempts(config, taken.gpus, run_attempt, tuple(notes), err=err)
     finally:
@@ -124,8 +131,8 @@ class _MultiNode:
     def run(self, gpus: tuple[GPUSnapshot, ...], notes: list[str], stdout: TextIO | None,
             stderr: TextIO | None, work: str, log_run_dir: str | None,
             argv: tuple[str, ...] | None) -> tuple[LaunchReport, RunOutcome]:
-        from gpuwarden.launch.attempts import run_attempts
-        from gpuwarden.launch.rendezvous import connect
+        from gpuwarden.launch.multinode.rendezvous import connect
+        from gpuwarden.launch.restart.attempts import run_attempts
 
         config = self.config
         self.hosting = connect(self.agent, config, self.pre, run_id=self.run_id,
@@ -133,7 +140,8 @@ class _MultiNode:
 
         def run_attempt(attempt: int, restarts: int, gpus: tuple[GPUSnapshot, ...],
                         notes: tuple[str, ...]) -> tuple[LaunchReport, RunOutcome]:
-            from gpuwarden.launch.rendezvous import join_round
+            from gpuwarden.launch.multinode.job_store import JobRound, job_history
+            from gpuwarden.launch.multinode.rendezvous import join_round
 
             previous = self.round.nodes if self.round is not None else ()
             # As torch's: the join has its own join_timeout, whatever the wait for the
@@ -178,10 +186,10 @@ class _MultiNode:
     def settle(self, report: LaunchReport, outcome: RunOutcome, policy: RestartPolicy,
                local: Callable[[], Failure]) -> Settled | None:
         """This round's end for the whole job; None when the job succeeded here."""
-        from gpuwarden.launch import job_store
+        from gpuwarden.launch.multinode import job_store
 
         assert self.job is not None and self.round is not None
-        restarts, history = job_history(self.round)
+        restarts, history = job_store.job_history(self.round)
         if report.ok and outcome.own_record is None and outcome.stopped_for is None:
             # Every rank here finished of its own accord: the job's work is done on this node
             # (a node that asked to join only now, or a failure elsewhere after this node's
@@ -210,6 +218,8 @@ class _MultiNode:
         return settled
 
     def _end_round(self) -> None:
+        from gpuwarden.launch.multinode.node_agent import AgentError
+
         try:
             self.agent.call("end_round", timeout_s=30)
         except AgentError:
@@ -234,6 +244,8 @@ class _MultiNode:
                               (waiting if isinstance(waiting, list) else []) if isinstance(n, dict))
             print(f"gpuwarden: waiting for {names} to finish: the job's store runs on this "
                   "node", file=self.err, flush=True)
+
+        from gpuwarden.launch.multinode.node_agent import AgentError
 
         try:
             # A join cut short (Ctrl-C) still runs in the agent, which then reads no command:
@@ -287,7 +299,7 @@ def _supervise(plan: LaunchPlan, stdout: TextIO | None, stderr: TextIO | None,
                err: TextIO, *, inherit_stdin: bool = True,
                job: JobRound | None = None) -> tuple[LaunchReport, RunOutcome]:
     supervisor = Supervisor(plan, stdout=stdout, stderr=stderr, inherit_stdin=inherit_stdin,
-                            job=job)
+                            job=job, serve=serve)
 
     def on_stall(stall: Stall) -> None:
         print(stall_report(supervisor.outcome(stall.detected_at), stall).render()

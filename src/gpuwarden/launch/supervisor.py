@@ -1,15 +1,18 @@
 """The supervisor: runs one plan to the end, watching the ranks from outside.
 
-It composes the parts that each own one thing:
+It composes the parts that each own one thing, and returns a :class:`~.outcome.RunOutcome`:
 
-- ``pcontext.py``: processes (start, signal groups, stop with bounded waits, adopted orphans);
-- the relay of the ranks' output (below), a rank's stderr tail kept for the report;
-- ``sampler.py`` + ``stall.py``: the ranks' stacks and CPU time sampled now and then, and the
-  pure stall decision over them;
-- the multi-node protocol: this node's first failure offered to the job's store, and a stop
-  when another node's failure, a lost node or a node waiting to join (elastic) is reported by
-  the node agent (``job_store.py``); also the ranks' own abort key in the workers' store;
-- what a rank left behind when it ended: its error record, its fatal-signal dump.
+- ``ranks/pcontext.py``: processes (start, signal groups, stop with bounded waits, adopted
+  orphans); ``ranks/relay.py``: the ranks' output, a rank's stderr tail kept for the report;
+- ``watch/``: each rank's phase record, its stacks and CPU time sampled now and then
+  (``sampler.py``), and the pure stall and straggler decisions over them;
+- several nodes (``multinode/``): this node's first failure offered to the job's store, and a
+  stop when another node's failure, a lost node or a node waiting to join (elastic) is
+  reported by the node agent (``job_store.py``); also the ranks' own abort key in the workers'
+  store (``peers.py``); imported only when the plan has several nodes;
+- what a rank left behind when it ended (``ranks/exit_records.py``);
+- an endpoint hosted by the loop (``serve``: the runner passes ``observer/control.py``'s), whose
+  requests run between two polls; the supervisor knows it only as :class:`Endpoint`.
 
 Rules it keeps: the first rank to fail stops all others (SIGTERM, SIGKILL after --grace); a rank
 that exits 0 is simply done; nothing outlives the job. This process imports only the standard
@@ -19,7 +22,6 @@ library: a launch costs tens of milliseconds before the ranks start, and never t
 from __future__ import annotations
 
 import contextlib
-import json
 import linecache
 import os
 import selectors
@@ -29,29 +31,31 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from gpuwarden.launch import control, flight_recorder
-from gpuwarden.launch.config import FORWARDED_SIGNALS, STOP_SIGNALS
-from gpuwarden.launch.pcontext import ProcessContext
-from gpuwarden.launch.placement import pids_of, render_warning, watch_for
+from gpuwarden.boundedio import read_json_object
+from gpuwarden.launch.config import forwarded_signals, stop_signals
+from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
-from gpuwarden.launch.relay import JobRelay, RankRelay, RankStdio
-from gpuwarden.launch.sampler import RankSampler, make_request_fifo, sample_interval
-from gpuwarden.launch.stall import (
+from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
+from gpuwarden.launch.ranks.pcontext import ProcessContext
+from gpuwarden.launch.ranks.relay import JobRelay, RankRelay, RankStdio
+from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
+from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
+from gpuwarden.launch.watch.stall import (
     RankView,
     Stall,
     current_wait,
     decide_stall,
     main_thread_frames,
 )
-from gpuwarden.launch.status import Phase, RankStatus, StatusReader, sample_paths
-from gpuwarden.launch.straggler import Straggler, decide_straggler
-from gpuwarden.launch.torch_errors import TorchError, read_torch_error
+from gpuwarden.launch.watch.status import Phase, RankStatus, StatusReader, sample_paths
+from gpuwarden.launch.watch.straggler import Straggler, decide_straggler
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.job_store import JobRound
+    from gpuwarden.launch.multinode.job_store import JobRound
+    from gpuwarden.launch.multinode.peers import PeerFiles
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
@@ -62,63 +66,20 @@ START_PROGRESS_S = 2.0  # a start of many ranks says how far it got this often
 STORE_LOST_GRACE_S = 3.0
 STRAGGLER_PERSIST_S = 4.0  # a straggler named this long (3 samples or more) gets its one line
 _AGENT = "agent"  # the selector's mark of the node agent's pipe
+_ENDPOINT = "endpoint"  # ... and of the endpoint's requests for the loop
 
 
-@dataclass
-class RankExit:
-    """How one rank ended. ``returncode`` as subprocess gives it: negative for a signal."""
+class Endpoint(Protocol):
+    """What the loop hosts (``observer/control.py``'s ControlServer): requests that need the
+    job's state are handed to the loop, which runs them between two polls."""
 
-    rank: int
-    pid: int
-    returncode: int
-    ended_at: float  # monotonic, when the supervisor saw it
-    stopped_by_launcher: bool  # it ended after gpuwarden began stopping the job
-    error: dict[str, Any] | None = None  # the bootstrap's record of an uncaught exception
-    fatal_dump: str = ""  # faulthandler's dump on SIGSEGV/SIGABRT/...
-    stderr_tail: list[str] = field(default_factory=list)
-    killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
-    torch_error: TorchError | None = None  # what it recorded in TORCHELASTIC_ERROR_FILE
-
-    @property
-    def failed(self) -> bool:
-        return self.returncode != 0
-
-    @property
-    def failed_at(self) -> float:
-        """When it failed: the exception's own time when recorded, else when it was seen to exit."""
-        if self.error and isinstance(self.error.get("monotonic"), (int, float)):
-            return min(float(self.error["monotonic"]), self.ended_at)
-        return self.ended_at
+    def fileno(self) -> int: ...  # readable when a request waits for the loop
+    def clear_wakeups(self) -> None: ...
+    def run_pending(self) -> None: ...  # in the loop: run what was handed over
+    def close(self) -> None: ...
 
 
-@dataclass
-class PeerView:
-    """Multi-node: what this node's ranks learned from the job's TCPStore (their peers files)."""
-
-    arrived: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> host, pid, node
-    reader_connected: bool = False  # local rank 0's watch reached the store (arrivals known)
-    abort: dict[str, Any] | None = None  # another node's failure record
-    abort_sent: bool = False  # a rank of this node set the abort key itself
-    store_lost: str | None = None
-    store_lost_at: float | None = None  # monotonic, when this supervisor saw it
-    store_error: str | None = None
-
-
-@dataclass
-class RunOutcome:
-    plan: LaunchPlan
-    started_at: float
-    ended_at: float
-    exits: dict[int, RankExit]
-    pids: dict[int, int]
-    stall: Stall | None = None
-    interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" sent to the supervisor
-    peers: PeerView | None = None  # multi-node only
-    # "abort" (another node failed, or was lost), "membership" (nodes wait to join: elastic),
-    # "store_lost" (the job's or the workers' store went away)
-    stopped_for: str | None = None
-    job_failure: dict[str, Any] | None = None  # the round's first failure, as the job's store has it
-    own_record: dict[str, Any] | None = None  # this node's first failure, as offered to it
+Serve = Callable[["Supervisor"], "Endpoint | None"]
 
 
 class _Rank:
@@ -139,7 +100,7 @@ class Supervisor:
 
     def __init__(self, plan: LaunchPlan, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
                  poll_interval_s: float = 0.05, inherit_stdin: bool = True,
-                 job: JobRound | None = None) -> None:
+                 job: JobRound | None = None, serve: Serve | None = None) -> None:
         self.plan = plan
         # torchrun's ranks read the launcher's stdin (pdb, piped input); spawn()'s, as
         # multiprocessing's children, read nothing.
@@ -174,18 +135,20 @@ class Supervisor:
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup_fd: int | None = None
         self.on_stall: Any = None  # callback(Stall) for --keep-waiting reports
-        self.peers: PeerView | None = PeerView() if plan.nnodes > 1 else None
+        self._peer_files: PeerFiles | None = None
+        if plan.nnodes > 1:
+            from gpuwarden.launch.multinode.peers import PeerFiles
+
+            self._peer_files = PeerFiles(plan)
+        self.peers: PeerView | None = self._peer_files.view if self._peer_files else None
         self._stopped_for: str | None = None
         self._job_failure: dict[str, Any] | None = None
         self._own_record: dict[str, Any] | None = None
-        self._peer_mtimes: dict[int, float] = {}
-        self._peer_states: dict[int, dict[str, Any]] = {}
         self._started = 0.0  # monotonic, set by run()
-        # `gpuwarden status` / `stacks` (launch/control.py): their requests run in this loop.
-        self.calls = control.LoopCalls()
-        self._sel.register(self.calls.fileno(), selectors.EVENT_READ, self.calls)
-        self._control: control.ControlServer | None = None
-        self.straggler: Straggler | None = None  # the latest verdict (launch/straggler.py)
+        # `gpuwarden status` / `stacks` (observer/control.py): their requests run in this loop.
+        self._serve = serve
+        self._endpoint: Endpoint | None = None
+        self.straggler: Straggler | None = None  # the latest verdict (launch/watch/straggler.py)
         self._straggler_since: float | None = None
         self._straggler_said = False
 
@@ -197,7 +160,10 @@ class Supervisor:
         if self.job is not None:
             self._sel.register(self.job.agent.fileno(), selectors.EVENT_READ, _AGENT)
         try:
-            self._control = control.serve(self)
+            if self._serve is not None:
+                self._endpoint = self._serve(self)
+            if self._endpoint is not None:
+                self._sel.register(self._endpoint.fileno(), selectors.EVENT_READ, _ENDPOINT)
             self._ctx = ProcessContext()
             self._start_ranks()
             self._loop()
@@ -263,7 +229,8 @@ class Supervisor:
         while True:
             self._pump(self.poll_interval_s)
             self._reap_exited()
-            self.calls.run_pending()
+            if self._endpoint is not None:
+                self._endpoint.run_pending()
             now = time.monotonic()
             live = [r for r in self.ranks if r.exit is None]
             if not live:
@@ -299,9 +266,10 @@ class Supervisor:
                     for r in live:
                         self._signal(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
-        # do not wait for EOF longer than a moment).
+        # do not wait for EOF longer than a moment). Only the ranks' pipes are waited for: the
+        # signal wake-up, the endpoint and the node agent stay registered to the end.
         deadline = time.monotonic() + 0.3
-        while self._sel.get_map() and time.monotonic() < deadline:
+        while self._rank_pipes_open() and time.monotonic() < deadline:
             if not self._pump(0.05):
                 break
 
@@ -347,7 +315,8 @@ class Supervisor:
     def _check_peers(self, now: float) -> None:
         """Read what the ranks' store watches wrote; stop on another node's abort, or when the
         store (node 0) is gone while this node's ranks still wait for the others."""
-        view = self._read_peers(now)
+        assert self._peer_files is not None
+        view = self._peer_files.read(now)
         if view.abort is not None and int(view.abort.get("node", -1)) != self.plan.node_rank:
             self._stopped_for = "abort"
             self._begin_stop()
@@ -359,36 +328,6 @@ class Supervisor:
             if waiting:
                 self._stopped_for = "store_lost"
                 self._begin_stop()
-
-    def _read_peers(self, now: float) -> PeerView:
-        assert self.peers is not None
-        view = self.peers
-        for r in self.ranks:
-            path = r.spec.files.peers
-            try:
-                mtime = os.stat(path).st_mtime_ns
-            except OSError:
-                continue
-            if self._peer_mtimes.get(r.spec.rank) != mtime:
-                data = _read_json(path)
-                if data is not None:
-                    self._peer_mtimes[r.spec.rank] = mtime
-                    self._peer_states[r.spec.rank] = data
-        for rank, data in self._peer_states.items():
-            for key, rec in (data.get("arrived") or {}).items():
-                if str(key).isdigit() and isinstance(rec, dict):
-                    view.arrived[int(key)] = rec
-            if data.get("connected") and self.plan.spec(rank) is not None \
-                    and self.plan.spec(rank).local_rank == 0:  # type: ignore[union-attr]
-                view.reader_connected = True
-            view.abort_sent = view.abort_sent or bool(data.get("abort_sent"))
-            if data.get("store_error") and view.store_error is None:
-                view.store_error = str(data["store_error"])
-            if isinstance(data.get("abort"), dict) and view.abort is None:
-                view.abort = data["abort"]
-            if data.get("store_lost") and view.store_lost is None:
-                view.store_lost, view.store_lost_at = str(data["store_lost"]), now
-        return view
 
     def _offer_failure(self) -> None:
         """This node stops of its own accord (a rank failed, a stall, an interrupt), or its
@@ -422,16 +361,16 @@ class Supervisor:
 
     def _local_record(self) -> dict[str, Any]:
         """This node's first failure as a record for the job's store (job_store.py)."""
-        from gpuwarden.launch import job_store
+        from gpuwarden.launch.multinode import job_store
 
         failed = []
         for r in self.ranks:
             if r.spec.rank in self._failing or (
                     r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher):
                 failed.append(job_store.RankFailure(
-                    r.spec.rank, _read_json(r.spec.files.error) or {},
+                    r.spec.rank, read_json_object(r.spec.files.error) or {},
                     r.exit.returncode if r.exit is not None else None,
-                    list(r.relay.stderr_tail), _read_text(r.spec.files.fatal),
+                    list(r.relay.stderr_tail), read_fatal_dump(r.spec.files.fatal),
                     r.exit.ended_at if r.exit is not None else time.monotonic()))
         return job_store.local_record(self.plan.node_rank, failed, interrupt=self._interrupt,
                                       stall=self._stall,
@@ -451,7 +390,8 @@ class Supervisor:
                 stopped_by_launcher=self._stop_began is not None
                 and r.spec.rank not in self._failing,
                 killed_by_launcher=self._killed and code == -signal.SIGKILL,
-                error=_read_json(r.spec.files.error), fatal_dump=_read_text(r.spec.files.fatal))
+                error=read_json_object(r.spec.files.error),
+                fatal_dump=read_fatal_dump(r.spec.files.fatal))
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
@@ -472,6 +412,8 @@ class Supervisor:
             self._agent_events()
         if self._ctx is not None:
             self._ctx.close()  # adopted orphans (daemons of the ranks) go too
+        if self._peer_files is not None:
+            self._peer_files.late_abort()  # the ranks are gone: their peers files are final
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)  # the node agent's pipe too (it outlives the round)
         self._sel.close()
@@ -481,9 +423,8 @@ class Supervisor:
                 r.sampler.close()
             r.status.close()
         self.relay.close()
-        if self._control is not None:
-            self._control.close()
-        self.calls.close()
+        if self._endpoint is not None:
+            self._endpoint.close()
 
     # ---- output ----------------------------------------------------------------------------
 
@@ -496,8 +437,9 @@ class Supervisor:
                     assert self._wake_r is not None
                     self._wake_r.recv(4096)
                 continue
-            if key.data is self.calls:  # a status/stacks request: run_pending() follows
-                self.calls.clear_wakeups()
+            if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
+                assert self._endpoint is not None
+                self._endpoint.clear_wakeups()
                 continue
             if key.data is _AGENT:
                 self._agent_events()
@@ -506,6 +448,9 @@ class Supervisor:
             got = True
             self._read_stream(rank, key.fd, is_err)
         return got
+
+    def _rank_pipes_open(self) -> bool:
+        return any(isinstance(key.data, tuple) for key in self._sel.get_map().values())
 
     def _drain(self, rank: _Rank) -> None:
         registered = {k.fd for k in self._sel.get_map().values()}
@@ -575,6 +520,8 @@ class Supervisor:
         if stall is None:
             return
         stall.stacks = self.collect_stacks([r for r in self.ranks if r.exit is None])
+        from gpuwarden.launch.watch import flight_recorder
+
         stall.flight_records = flight_recorder.summary(self.plan.run_dir)
         self._stall = stall
         if self.config.keep_waiting:
@@ -649,30 +596,6 @@ class Supervisor:
             self._wake_r.close()
 
 
-def stop_signals() -> tuple[signal.Signals, ...]:
-    """Signals that stop the job, passed on to every rank (torchrun's default
-    --signals-to-handle). Always handled: left to their default action they would kill
-    gpuwarden alone, and its ranks only through PDEATHSIG, without the grace period."""
-    return tuple(getattr(signal, name) for name in STOP_SIGNALS)
-
-
-def forwarded_signals(signals_to_handle: tuple[str, ...]) -> tuple[signal.Signals, ...]:
-    """Signals passed on to every rank's process group while the job goes on: SIGUSR1 and
-    SIGUSR2 (Slurm's preemption notice, ``--signal=USR1@60``), and any other signal that
-    --signals-to-handle names."""
-    names = dict.fromkeys((*FORWARDED_SIGNALS, *signals_to_handle))
-    # SIGCHLD is the supervisor's own wake-up (its ranks' deaths), never a message for them
-    return tuple(getattr(signal, n) for n in names if n not in (*STOP_SIGNALS, "SIGCHLD"))
-
-
-def fatal_dump_in(lines: list[str]) -> str:
-    """The faulthandler dump a crashed rank printed on stderr ('Fatal Python error: ...'), if any."""
-    for i, line in enumerate(lines):
-        if line.startswith("Fatal Python error"):
-            return "\n".join(lines[i:])
-    return ""
-
-
 def _source_line(path: str, lineno: int) -> str:
     return linecache.getline(path, lineno)
 
@@ -682,20 +605,3 @@ def _safe_status(r: _Rank) -> RankStatus | None:
         return r.status.read()
     except (OSError, ValueError):
         return None
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""

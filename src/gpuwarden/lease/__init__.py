@@ -24,8 +24,9 @@ from gpuwarden.lease._fs import (
     lease_dir_choice,
     lease_dir_path,
 )
+from gpuwarden.lease.grant import Grant, LeaseRequest, make_request
 from gpuwarden.lease.listing import LeaseTable, list_leases
-from gpuwarden.lease.manager import Grant, LeaseRequest, acquire, lease, make_request
+from gpuwarden.lease.manager import acquire, lease
 from gpuwarden.lease.records import Record, SlotClaim
 from gpuwarden.lease.status import GpuState, StatusPrinter, WaitStatus
 

@@ -1,6 +1,6 @@
-"""The lease directory: where it is, whether it can be trusted, and what the kernel says about
-the processes named in it. The locks themselves are in ``_locks.py``, the records in
-``records.py``.
+"""The lease directory: where it is, whether it can be trusted, and the birth time of the
+files in it. The locks themselves are in ``_locks.py``, the records in ``records.py``, what
+the kernel says about the processes named in them in ``_proc.py``.
 
 The directory is shared with other users, so every name in it is hostile until checked
 (docs/leases.md, "Trust model"): files are opened ``O_NOFOLLOW | O_NONBLOCK`` and
@@ -22,7 +22,6 @@ import fcntl
 import functools
 import json
 import os
-import pwd
 import stat
 import struct
 import threading
@@ -34,12 +33,12 @@ from typing import Protocol
 
 from gpuwarden.errors import LeaseDirError
 from gpuwarden.lease._locks import (
-    LockOwner,
     UnsafeFileError,
     check_regular,
     open_no_link,
 )
 from gpuwarden.lease._locks import _names as _same_inode
+from gpuwarden.lease._proc import user_name
 from gpuwarden.safetext import escape_untrusted
 
 __all__ = ["UnsafeFileError"]
@@ -67,15 +66,6 @@ OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_N
 MUTEX_TIMEOUT_S = 0.5
 
 
-@functools.lru_cache(maxsize=256)
-def user_name(uid: int) -> str:
-    try:
-        return escape_untrusted(pwd.getpwuid(uid).pw_name, 64)
-    except KeyError:
-        return f"uid {uid}"
-
-
-_user = user_name
 
 
 def lease_dir_choice(env: dict[str, str] | None = None) -> tuple[Path, str | None]:
@@ -153,6 +143,11 @@ def gpu_file_name(uuid: str) -> str:
     return f"gpu.{escape_uuid(uuid)}.lock"
 
 
+@functools.lru_cache(maxsize=1024)
+def gpu_path(directory: Path, uuid: str) -> Path:
+    return directory / gpu_file_name(uuid)
+
+
 def escape_uuid(uuid: str) -> str:
     return uuid.replace("/", "_")
 
@@ -186,7 +181,7 @@ def _check_links(path: Path, where: str, fix_env: str) -> None:
             return  # missing: the resolution below says so
         if stat.S_ISLNK(st.st_mode) and not _trusted_owner(st.st_uid):
             raise LeaseDirError(
-                f"{where}: {str(prefix)!r} is a symbolic link owned by {_user(st.st_uid)}",
+                f"{where}: {str(prefix)!r} is a symbolic link owned by {user_name(st.st_uid)}",
                 why="a link another user made decides where gpuwarden would create and lock "
                 "files",
                 fix=f"remove the link (as its owner or root), or {fix_env}")
@@ -203,7 +198,7 @@ def _check_parents(real: Path, where: str, fix_env: str) -> None:
                                 why=exc.strerror, fix=fix_env) from exc
         if not _trusted_owner(st.st_uid) or _loose(st.st_mode):
             raise LeaseDirError(
-                f"{where}: its parent {str(parent)!r} is owned by {_user(st.st_uid)} with mode "
+                f"{where}: its parent {str(parent)!r} is owned by {user_name(st.st_uid)} with mode "
                 f"{stat.S_IMODE(st.st_mode):04o}",
                 why="another user could rename the lease directory and put their own in its "
                 "place, and two jobs would then lock different files for the same GPU",
@@ -332,8 +327,8 @@ def _check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[
     mode = stat.S_IMODE(st.st_mode)
     if not _trusted_owner(st.st_uid) and write:
         raise LeaseDirError(
-            f"{where} is owned by user {_user(st.st_uid)} (mode {mode:04o})",
-            why=f"{_user(st.st_uid)} could delete or replace any lock file in it, and two jobs "
+            f"{where} is owned by user {user_name(st.st_uid)} (mode {mode:04o})",
+            why=f"{user_name(st.st_uid)} could delete or replace any lock file in it, and two jobs "
             "would then hold the same GPU",
             fix="ask an admin to run `gpuwarden leases init` (a root-owned /run/gpuwarden), or "
             f"{fix_env}")
@@ -342,18 +337,18 @@ def _check_dir(path: Path, *, create: bool = True, write: bool = True) -> tuple[
             f"{where} is writable by other users without the sticky bit (mode {mode:04o})",
             why="any user could delete a lock file that another job holds, and two jobs "
             "would then hold the same GPU",
-            fix=f"chmod +t {real} (as its owner {_user(st.st_uid)} or root)")
+            fix=f"chmod +t {real} (as its owner {user_name(st.st_uid)} or root)")
     if readonly and write:
         raise LeaseDirError(f"{where} is on a read-only file system",
                             why="leases need to create lock and record files",
                             fix=f"{fix_env} (e.g. under /run or /tmp)")
     if write and not os.access(real, os.W_OK | os.X_OK):
         raise LeaseDirError(
-            f"{where} is not writable by user {_user(os.geteuid())} "
-            f"(owner {_user(st.st_uid)}, mode {mode:04o})",
+            f"{where} is not writable by user {user_name(os.geteuid())} "
+            f"(owner {user_name(st.st_uid)}, mode {mode:04o})",
             why="every user that leases GPUs must be able to create its record files",
             fix=f"ask an admin to run `gpuwarden leases init --dir {real}` (or chmod 1777 "
-            f"{real} as {_user(st.st_uid)} or root), or {fix_env}")
+            f"{real} as {user_name(st.st_uid)} or root), or {fix_env}")
     return real, prepared
 
 
@@ -546,100 +541,6 @@ def birth_ns(fd: int, st: os.stat_result) -> int:
                 sec, nsec = struct.unpack_from("qI", buf, _STATX_BTIME_AT)
                 return sec * 1_000_000_000 + nsec
     return st.st_ctime_ns
-
-
-# -- what the kernel says about a process -----------------------------------------------------
-
-def _read_proc(path: str, limit: int) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` from /proc (``T``/``t``: stopped), None when unknown."""
-    if pid <= 0:
-        return None
-    data = _read_proc(f"/proc/{pid}/stat", 4096)
-    try:
-        return None if data is None else data[data.rindex(b")") + 2:][:1].decode()
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-_states: dict[int, tuple[float, bool]] = {}
-
-
-def is_stopped(pid: int, max_age_s: float = 0.0) -> bool:
-    """Whether ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger); with ``max_age_s``, an answer
-    read that recently may be reused (for display: a waiter retries many times a second)."""
-    if max_age_s:
-        known = _states.get(pid)
-        if known is not None and time.monotonic() - known[0] < max_age_s:
-            return known[1]
-    stopped = process_state(pid) in ("T", "t")
-    if len(_states) > 4096:
-        _states.clear()
-    _states[pid] = (time.monotonic(), stopped)
-    return stopped
-
-
-def process_uid(pid: int) -> int | None:
-    """The real uid of ``pid`` (its /proc status), None when unknown."""
-    data = _read_proc(f"/proc/{pid}/status", 8192)
-    if data is None:
-        return None
-    for line in data.splitlines():
-        if line.startswith(b"Uid:"):
-            with contextlib.suppress(ValueError, IndexError):
-                return int(line.split()[1])
-    return None
-
-
-@dataclass(frozen=True)
-class ProcessFacts:
-    """What the kernel says about a process (never what a record claims); escaped."""
-
-    pid: int
-    user: str
-    command: str
-    stopped: bool
-
-    def describe(self) -> str:
-        what = ", ".join(x for x in (self.user, self.command, "stopped" if self.stopped else "")
-                         if x)
-        return f"pid {self.pid} ({what})" if what else f"pid {self.pid}"
-
-
-def process_facts(pid: int) -> ProcessFacts:
-    uid = process_uid(pid)
-    user = user_name(uid) if uid is not None else ""
-    command = ""
-    data = _read_proc(f"/proc/{pid}/cmdline", 4096)
-    if data:
-        argv = [a.decode(errors="replace") for a in data.split(b"\0") if a]
-        command = escape_untrusted(" ".join(argv), 80)
-    return ProcessFacts(pid, user, command, is_stopped(pid))
-
-
-def describe_owner(owner: LockOwner | None) -> str:
-    """'pid 4242 (mallory, sleep 1000, stopped), a read lock' for the holder F_GETLK named."""
-    if owner is None:
-        return "nobody (it was just released)"
-    kind = "" if owner.write else ", a read lock"
-    if owner.pid > 0:
-        return process_facts(owner.pid).describe() + kind
-    if owner.pid == 0:
-        return "a process in another PID namespace (the kernel gives no pid here)" + kind
-    return ("an open file description lock (F_OFD_SETLK), which the kernel attributes to no "
-            "process" + kind)
 
 
 # -- claims of this process across fork ---------------------------------------------------------

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwarden.boundedio import kind_of
+from gpuwarden.lease._proc import process_facts, user_name
 
 # struct flock on Linux (every architecture gpuwarden runs on): short l_type, short l_whence,
 # off_t l_start, off_t l_len, pid_t l_pid, padded to 32 bytes.
@@ -76,6 +77,19 @@ class LockOwner:
     write: bool
     start: int
     length: int  # 0: to the end of the file (and beyond)
+
+
+def describe_owner(owner: LockOwner | None) -> str:
+    """'pid 4242 (mallory, sleep 1000, stopped), a read lock' for the holder F_GETLK named."""
+    if owner is None:
+        return "nobody (it was just released)"
+    kind = "" if owner.write else ", a read lock"
+    if owner.pid > 0:
+        return process_facts(owner.pid).describe() + kind
+    if owner.pid == 0:
+        return "a process in another PID namespace (the kernel gives no pid here)" + kind
+    return ("an open file description lock (F_OFD_SETLK), which the kernel attributes to no "
+            "process" + kind)
 
 
 def slot_offset(slots_per_gpu: int, slot: int) -> int:
@@ -244,8 +258,6 @@ def check_regular(fd: int, path: Path, owner: int | None) -> os.stat_result:
     if stat.S_ISREG(st.st_mode) and (owner is None or st.st_uid == owner):
         return st
     os.close(fd)
-    from gpuwarden.lease._fs import user_name
-
     if stat.S_ISREG(st.st_mode):
         problem = (f"is owned by {user_name(st.st_uid)}, not by {user_name(owner or 0)} who "
                    "prepared the directory")

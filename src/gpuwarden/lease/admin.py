@@ -30,7 +30,7 @@ from pathlib import Path
 
 from gpuwarden.boundedio import kind_of
 from gpuwarden.errors import LeaseDirError, UsageError
-from gpuwarden.lease import _fs, _locks
+from gpuwarden.lease import _fs, _locks, _proc
 
 DEFAULT_MAX_SLOTS = 8
 
@@ -129,7 +129,7 @@ def _open_or_make(path: Path, where: str) -> int:
                             "link", fix=f"remove {path} (as root), or choose another --dir")
     if st.st_uid != 0:
         raise LeaseDirError(
-            f"{where} belongs to {_fs.user_name(st.st_uid)}",
+            f"{where} belongs to {_proc.user_name(st.st_uid)}",
             why="gpuwarden never takes over a directory that is not root's: its owner could "
             "still delete every file in it",
             fix=f"move it away (mv {path} {path}.old) and run init again")

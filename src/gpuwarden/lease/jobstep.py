@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwarden.errors import LeaseUnavailableError
 from gpuwarden.inventory.snapshot import GPUSnapshot
-from gpuwarden.lease.manager import Grant, LeaseRequest
+from gpuwarden.lease._fs import gpu_path, lease_dir_path
+from gpuwarden.lease.grant import Grant, LeaseRequest
 from gpuwarden.lease.records import SlotClaim
 from gpuwarden.visibility import CHILD_ORDER_ENV
 
@@ -76,10 +77,8 @@ def allocation_of(grant: Grant) -> tuple[Allocation, ...]:
     """What ``grant`` holds, as its children are told (a step passes its holder's on)."""
     if isinstance(grant, StepGrant):
         return grant.allocations
-    from gpuwarden.lease.manager import _gpu_path
-
     held = tuple(HeldSlot(claim.uuid, claim.index, claim.slots_per_gpu, slot,
-                          str(_gpu_path(grant.lease_dir, claim.uuid)))
+                          str(gpu_path(grant.lease_dir, claim.uuid)))
                  for claim in grant.claims for slot in claim.slots)
     return (Allocation(os.getpid(), str(grant.lease_dir), grant.holder_id, held),)
 
@@ -142,8 +141,6 @@ def inherited(env: Mapping[str, str] | None = None,
     text = environ.get(STEP_ENV)
     if not text:
         return ()
-    from gpuwarden.lease import lease_dir_path
-
     directory = Path(lease_dir) if lease_dir else lease_dir_path(dict(environ))
     try:
         directory = directory.resolve()
@@ -248,8 +245,6 @@ def serve(request: LeaseRequest, lease_dir: str | Path | None = None,
     chosen = tuple(mine[:wanted])
     used = {g.uuid for g in chosen}
     mine_allocations = tuple(a for a in allocations if used & set(a.uuids))
-    from gpuwarden.lease import lease_dir_path
-
     directory = Path(lease_dir) if lease_dir else lease_dir_path(dict(environ))
     return StepGrant(chosen, mine_allocations, request, directory)
 
@@ -268,7 +263,7 @@ def blame_ancestor(exc: Exception, lease_dir: str | Path | None = None) -> None:
     """When a refused lease's GPUs are held by an ancestor of this process, say so in ``exc``
     (a parent's lease is not a stranger's: the generic "wait in line" would wait forever)."""
     from gpuwarden.errors import GpuwardenError
-    from gpuwarden.lease import list_leases
+    from gpuwarden.lease.listing import list_leases
 
     if not isinstance(exc, GpuwardenError):
         return

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.lease import _fs, _locks
+from gpuwarden.lease import _fs, _locks, _proc
 from gpuwarden.lease.records import Corrupt, Record, iter_holders, scan
 
 
@@ -69,7 +69,7 @@ def list_leases(directory: Path | None = None) -> LeaseTable:
     with _locks.peek(directory / _fs.MUTEX_NAME) as fd:
         owner = _locks.test_lock(fd, _locks.MUTEX_BYTE, 1) if fd is not None else None
         if owner is not None:
-            mutex_holders = _fs.describe_owner(owner)
+            mutex_holders = _locks.describe_owner(owner)
     holders = list(iter_holders(view.records))
     names = [_fs.gpu_file_name(u) for u in config.gpus] if config is not None else \
         sorted(view.gpu_files)
@@ -85,12 +85,12 @@ def list_leases(directory: Path | None = None) -> LeaseTable:
                 for byte in range(owner.start, owner.start + (owner.length or 1)):
                     k, slot = _locks.slot_of_offset(byte)
                     if recorded.get((k, slot)) != owner.pid or owner.pid < 0:
-                        unrecorded.append(Unrecorded(uuid, k, slot, _fs.describe_owner(owner)))
+                        unrecorded.append(Unrecorded(uuid, k, slot, _locks.describe_owner(owner)))
                     if len(unrecorded) >= 256:
                         break
-    records = [replace(r, stopped=_fs.is_stopped(r.pid)) for r in view.records]
+    records = [replace(r, stopped=_proc.is_stopped(r.pid)) for r in view.records]
     holders_sorted = tuple(sorted(iter_holders(records), key=lambda r: (r.born_ns, r.record_id)))
     tickets = tuple(sorted((r for r in records if r.kind == "ticket"), key=Record.order))
-    left_out = tuple((_fs.user_name(uid), n) for uid, n in sorted(view.left_out.items()))
+    left_out = tuple((_proc.user_name(uid), n) for uid, n in sorted(view.left_out.items()))
     return LeaseTable(directory, True, holders_sorted, tickets, tuple(view.corrupt),
                       tuple(unrecorded), prepared, mutex_holders, view.complete, left_out)

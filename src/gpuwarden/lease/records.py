@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.lease import _fs, _locks
+from gpuwarden.lease import _fs, _locks, _proc
 from gpuwarden.procs import short_command
 from gpuwarden.safetext import escape_untrusted
 
@@ -162,7 +162,7 @@ def new_token() -> str:
 def this_process(kind: str, label: str | None, **fields: Any) -> Record:
     """A record describing the calling process."""
     host, command = _identity(tuple(sys.argv))
-    return Record(kind=kind, record_id="", pid=os.getpid(), user=_fs.user_name(os.geteuid()),
+    return Record(kind=kind, record_id="", pid=os.getpid(), user=_proc.user_name(os.geteuid()),
                   host=host, command=command, label=escape_untrusted(label or "", LABEL_CHARS),
                   born_ns=time.time_ns(), uid=os.geteuid(), **fields)
 
@@ -483,7 +483,7 @@ class Scanner:
             if not legacy and (not owner.write or owner.pid < 0 or owner.start != 0
                                or owner.length != 0):
                 self._corrupt(result, path, "locked, but not the way a record's owner locks it "
-                              f"(held by {_fs.describe_owner(owner)})")
+                              f"(held by {_locks.describe_owner(owner)})")
                 return None
             if (known.size, known.mtime_ns) != (st.st_size, st.st_mtime_ns):
                 known.parsed, known.problem = None, ""  # rewritten in place: read it again
@@ -518,10 +518,10 @@ class Scanner:
             if known.parsed.kind != "holder" or known.parsed.schema >= RECORD_SCHEMA:
                 return None  # a dead record, or an older version's waiting request (unordered)
             return replace(known.parsed, pid=known.parsed.pid, uid=st.st_uid, legacy=True,
-                           user=_fs.user_name(st.st_uid), born_ns=st.st_mtime_ns,
+                           user=_proc.user_name(st.st_uid), born_ns=st.st_mtime_ns,
                            ino=st.st_ino, path=path)
         return replace(known.parsed, pid=owner.pid, uid=st.st_uid,
-                       user=_fs.user_name(st.st_uid), born_ns=known.born_ns, ino=st.st_ino,
+                       user=_proc.user_name(st.st_uid), born_ns=known.born_ns, ino=st.st_ino,
                        path=path)
 
     @staticmethod

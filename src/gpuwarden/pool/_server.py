@@ -25,7 +25,7 @@ dies (watched through a pidfd, or by polling the parent pid), or on ``("stop",)`
 everything under it, reaps it, and exits.
 
 Protocol on the control socket (SOCK_SEQPACKET, one pickle per message; both ends are the
-same user's processes):
+same user's processes; the pool's end is :class:`ServerLink`, in the pool's process):
 pool -> server: the boot dict; ``("spawn", key, env)`` with the worker's socket as an
 SCM_RIGHTS fd; ``("kill", pid)``; ``("stop",)``.
 server -> pool: ``("ready", pid, notes)``, ``("forked", key, pid)``,
@@ -34,6 +34,7 @@ server -> pool: ``("ready", pid, notes)``, ``("forked", key, pid)``,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import importlib
@@ -45,6 +46,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwarden.procs import die_with_parent, status_to_returncode
@@ -55,6 +57,115 @@ _PR_SET_CHILD_SUBREAPER = 36
 # Signals a child of a Python process should get back at their defaults (as subprocess does).
 RESET_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ", "SIGXFZ")
                       if hasattr(signal, name))
+
+
+# ---- the pool's end (in the pool's process) ----------------------------------------------
+
+
+class ServerLink:
+    """The pool's end of the control socket (the manager thread's): starts the server with
+    ``posix_spawn``, sends it messages (and the workers' sockets), reads what it reports,
+    reaps it, and kills its whole tree when it does not stop."""
+
+    def __init__(self, boot: dict[str, Any], env: Mapping[str, str]) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.pid = os.posix_spawn(
+                sys.executable,
+                [sys.executable, "-m", "gpuwarden.pool._server", "3", str(os.getpid())],
+                dict(env),
+                file_actions=[(os.POSIX_SPAWN_DUP2, child.fileno(), 3),
+                              (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
+                setsigdef=RESET_SIGNALS, setsigmask=(),
+            )
+        finally:
+            child.close()
+        self.sock = parent
+        self.sock.setblocking(False)
+        self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
+        self.returncode: int | None = None
+        self.gone = False
+        self.send(boot)
+
+    def send(self, message: Any, fds: Sequence[int] = ()) -> None:
+        self.outbox.append((pickle.dumps(message), list(fds)))
+        self.flush()
+
+    def flush(self) -> None:
+        while self.outbox and not self.gone:
+            data, fds = self.outbox[0]
+            try:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.gone = True
+            self.outbox.popleft()
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self.gone:
+            while self.outbox:
+                for fd in self.outbox.popleft()[1]:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    def receive(self) -> list[tuple[Any, ...]] | None:
+        """Messages the server sent; None when it is gone (end of input)."""
+        out: list[tuple[Any, ...]] = []
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError:
+                data = b""
+            if not data:
+                self.gone = True
+                return out or None
+            out.append(pickle.loads(data))
+
+    def reap(self, timeout_s: float) -> int | None:
+        """Wait (bounded) for the server to exit; kill it if it does not; its returncode."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (SIGCHLD ignored, a reaper)
+                return None
+            if pid:
+                self.returncode = status_to_returncode(status)
+                return self.returncode
+            if time.monotonic() >= deadline:
+                self.kill_tree()
+                deadline = time.monotonic() + timeout_s
+            time.sleep(0.005)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the server and everything under it. Its pid is ours until we reap it; its
+        descendants are not reaped by anyone while it is stopped or stuck."""
+        import psutil
+
+        try:
+            tree = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        self.gone = True
+        self.flush()  # closes the descriptors of what was never sent
+        self.sock.close()
+
+
+# ---- the server (in its own process) ---------------------------------------------------
 
 
 def _subreaper() -> None:

@@ -37,8 +37,9 @@ from joblib._parallel_backends import (
 )
 from joblib.parallel import register_parallel_backend
 
-from gpuwarden._joblib_hook import BACKEND_NAME
 from gpuwarden.pool.plan import WORKER_ENV
+
+BACKEND_NAME = "gpuwarden"  # Parallel(backend="gpuwarden"); registered by gpuwarden/_joblib_hook.py
 
 if TYPE_CHECKING:
     # Loaded on the first Parallel call: registering the backend costs no executor import.
@@ -91,7 +92,7 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
     count is the lease manager's answer for ``gpus="auto"``, the one ``take_gpus`` acts on,
     under the pool's own ``min_free``/``allow_shared``.
     """
-    from gpuwarden.lease.manager import make_request
+    from gpuwarden.lease.grant import make_request
     from gpuwarden.pool.gpus import usable_gpu_count
 
     settings = _settings_key(pool_kwargs)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import time
@@ -143,7 +142,7 @@ class JobCgroup:
         parent = os.path.join(mount, own.lstrip("/"))
         if not os.access(os.path.join(parent, "cgroup.procs"), os.W_OK):
             return None  # moving a process into a child needs this: no delegation here
-        path = os.path.join(parent, f"gpuwarden-job-{os.getpid()}-{secrets.token_hex(4)}")
+        path = os.path.join(parent, f"gpuwarden-job-{os.getpid()}-{os.urandom(4).hex()}")
         try:
             os.mkdir(path)
         except OSError:

@@ -1,6 +1,6 @@
 """Stall detection from outside the ranks: PURE functions over sampled observations.
 
-The supervisor samples every rank now and then (``launch/sampler.py``): its main thread's Python
+The supervisor samples every rank now and then (``launch/watch/sampler.py``): its main thread's Python
 stack (a faulthandler dump) and its CPU time. Nothing inside the rank says "I am in a
 collective"; the frames do:
 
@@ -43,7 +43,7 @@ BACKWARD_FUNCTIONS = frozenset({"backward", "_engine_run_backward", "run_backwar
 # DDP's gradient all-reduce; a backward that computes uses a core or more.
 IDLE_CPU_CORES = 0.15
 _WAIT_CALL = re.compile(r"\.wait\(")
-_BOOTSTRAP = "gpuwarden/launch/_bootstrap.py"
+_BOOTSTRAP = "gpuwarden/launch/ranks/_bootstrap.py"
 _HIDDEN = (_BOOTSTRAP, "runpy", "c10d_logger.py")  # bootstrap, runpy, torch's logging wrapper
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 

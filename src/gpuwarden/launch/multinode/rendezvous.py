@@ -50,7 +50,7 @@ from gpuwarden.doctor.probes import Probes, RendezvousFacts, locate_master
 from gpuwarden.errors import PortInUseError, RendezvousError
 from gpuwarden.findings import Severity, render_one_line
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.node_agent import AgentError, NodeAgent, NodeInfo, Round
+from gpuwarden.launch.multinode.node_agent import AgentError, NodeAgent, NodeInfo, Round
 
 RETRY_REFUSED_S = 0.05  # between tries while nothing listens yet (a refusal costs microseconds;
 # the store comes up the moment torch is imported on its node, and every node waits for it)

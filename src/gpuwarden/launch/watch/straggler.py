@@ -1,9 +1,9 @@
 """Stragglers, from the samples the supervisor already takes: PURE functions over recorded
-observations, as :mod:`gpuwarden.launch.stall` for stalls.
+observations, as :mod:`gpuwarden.launch.watch.stall` for stalls.
 
 Every sample tick the supervisor asks every rank for its stack at the same moment
 (``Sample.at`` is one value for the whole tick), so a tick is a picture of the job: which ranks
-wait in a collective (the frames say so, :func:`gpuwarden.launch.stall.classify`) and which are
+wait in a collective (the frames say so, :func:`gpuwarden.launch.watch.stall.classify`) and which are
 elsewhere. When most ranks wait and a few do not, the few are what the others wait for: they
 are the last to enter the collective. A straggler is a rank that is, consistently, that one:
 
@@ -35,7 +35,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwarden.launch.stall import (
+from gpuwarden.launch.watch.stall import (
     IDLE_CPU_CORES,
     Frame,
     RankView,

@@ -38,44 +38,15 @@ import contextlib
 import errno
 import os
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol, TextIO
 
-from gpuwarden.errors import UsageError
+from gpuwarden.launch.config import STD_ERR, STD_OUT, parse_std_spec, std_for
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is relayed in pieces of this size
 STDERR_TAIL_LINES = 40  # the last stderr lines of a rank kept for the report
 TAIL_LINE_CHARS = 2000  # a tail line is cut here: the report quotes it, it does not archive it
-
-STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
-
-
-def parse_std_spec(text: str, *, what: str = "--redirects") -> int | dict[int, int]:
-    """torchrun's Std spec: ``"3"`` for every local rank, or ``"0:1,1:2"`` per local rank
-    (0 none, 1 stdout, 2 stderr, 3 both). UsageError (exit 2) on anything else."""
-    fix = f"{what} 3 (stdout and stderr of every rank), or per local rank: {what} 0:1,1:2"
-
-    def one(value: str) -> int:
-        if value.strip() not in ("0", "1", "2", "3"):
-            raise UsageError(f"{what} {text!r}: {value!r} is not 0, 1, 2 or 3", fix=fix)
-        return int(value)
-
-    text = str(text).strip()
-    if ":" not in text:
-        return one(text)
-    out: dict[int, int] = {}
-    for item in text.split(","):
-        rank, sep, value = item.partition(":")
-        if not sep or not rank.strip().isdigit():
-            raise UsageError(f"{what} {text!r}: {item!r} is not LOCAL_RANK:STREAMS", fix=fix)
-        out[int(rank)] = one(value)
-    return out
-
-
-def std_for(spec: int | dict[int, int], local_rank: int) -> int:
-    return spec if isinstance(spec, int) else spec.get(local_rank, STD_NONE)
-
 
 @dataclass(frozen=True)
 class RankOutputs:
@@ -107,13 +78,6 @@ def rank_outputs(*, rank: int, local_rank: int, redirects: str, tee: str,
     console_out, out_file = route(STD_OUT, "stdout.log")
     console_err, err_file = route(STD_ERR, "stderr.log")
     return RankOutputs(f"[rank{rank}]: ".encode(), console_out, console_err, out_file, err_file)
-
-
-def needs_log_files(redirects: str, tee: str, filters: Iterable[str]) -> bool:
-    """Whether a launch writes log files at all (torchrun then makes a directory even without
-    --log-dir)."""
-    return parse_std_spec(redirects) != STD_NONE or parse_std_spec(tee, what="--tee") != STD_NONE \
-        or any(True for _ in filters)
 
 
 class Console:

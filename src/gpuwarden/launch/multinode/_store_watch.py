@@ -2,7 +2,7 @@
 
 No second server: rank 0's ``init_process_group`` (env://) hosts a c10d TCPStore at
 MASTER_ADDR:MASTER_PORT, and every rank connects to it. Nothing of torch is wrapped to learn
-when a rank gets there: the bootstrap (:mod:`gpuwarden.launch._bootstrap`) starts a daemon
+when a rank gets there: the bootstrap (:mod:`gpuwarden.launch.ranks._bootstrap`) starts a daemon
 thread that looks at the main thread's frames (``sys._current_frames``, 10 times a second,
 multi-node only) and, once ``init_process_group`` is among them (torch is imported by then),
 starts :class:`StoreWatch` in that thread: one more *client* of that store, opened with ``world_size=None`` and
@@ -18,7 +18,7 @@ thread's keys live under ``gpuwarden/``, beside the process group's own prefixed
   a lost connection (node 0 gone) is reported too;
 - what it sees goes to ``GPUWARDEN_PEERS_FILE`` (JSON, replaced atomically), which the node's
   supervisor reads with its progress records. The supervisor never imports torch;
-- the same poll relays ``gpuwarden stacks`` between nodes (``launch/_store_stacks.py``).
+- the same poll relays ``gpuwarden stacks`` between nodes (``launch/multinode/_store_stacks.py``).
 
 The job-wide first failure and the restart decision live in the node agent's store, which
 outlives the attempts (``job_store.py``); this abort key in the workers' store is the fast path
@@ -108,7 +108,7 @@ class StoreWatch(threading.Thread):
         self._watch()
 
     def _watch(self) -> None:
-        from gpuwarden.launch._store_stacks import StackRelay
+        from gpuwarden.launch.multinode._store_stacks import StackRelay
 
         arrived: dict[str, Any] = {}
         count = 0

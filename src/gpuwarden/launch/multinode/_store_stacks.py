@@ -1,8 +1,8 @@
 """Rank side, multi-node: ``gpuwarden stacks`` across nodes, through the job's own c10d store.
 
-The launcher of each node answers for its own ranks (``launch/observe.py``); it has no store
+The launcher of each node answers for its own ranks (``launch/observer/observe.py``); it has no store
 client (it never imports torch). The node's local rank 0 has one: its store watch
-(``launch/_store_watch.py``) polls the store every 0.5 s for the job's abort key, and calls
+(``launch/multinode/_store_watch.py``) polls the store every 0.5 s for the job's abort key, and calls
 :meth:`StackRelay.poll` there too. Keys, beside the watch's own under ``gpuwarden/``:
 
 - ``gpuwarden/stacks/seq``: a counter; a node that wants every node's stacks adds 1;

@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpuwarden.inventory.snapshot import GPUSnapshot
+if TYPE_CHECKING:
+    from gpuwarden.inventory.snapshot import GPUSnapshot
 
 CHECK_EVERY_S = 2.0  # an NVML process query costs milliseconds; a misplaced rank lives for minutes
 

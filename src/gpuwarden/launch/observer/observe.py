@@ -3,7 +3,7 @@
 Three parts, each with one owner:
 
 - :func:`build_snapshot` runs in the supervisor's loop (handed over by
-  :class:`~gpuwarden.launch.control.LoopCalls`), which owns the job's state: every rank's phase
+  :class:`~gpuwarden.launch.observer.control.LoopCalls`), which owns the job's state: every rank's phase
   from the samples the supervisor already takes (starting, in rendezvous, running, in a
   collective and for how long, exited), its CPU use, the stall and straggler verdicts. It asks
   no rank anything.
@@ -12,7 +12,7 @@ Three parts, each with one owner:
   thread answers in a file of its own, so the supervisor's samples are untouched); a rank that
   does not answer within a second (a C extension holding the GIL) is shown with its latest
   sample and its age. On several nodes, the other nodes' ranks come through the job's own c10d
-  store (``launch/_store_stacks.py``, run by each node's local rank 0).
+  store (``launch/multinode/_store_stacks.py``, run by each node's local rank 0).
 - :func:`group_stacks` (pure) puts ranks with the same stack together, as fr_trace and py-spy
   users read them, and marks the odd ones out.
 """
@@ -27,11 +27,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpuwarden.launch.stall import (
+from gpuwarden.boundedio import read_json_object
+from gpuwarden.launch.watch.stall import (
     IDLE_CPU_CORES,
     Frame,
     RankView,
@@ -43,7 +44,12 @@ from gpuwarden.launch.stall import (
 )
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.supervisor import PeerView, Supervisor
+    from gpuwarden.launch.outcome import PeerView
+    from gpuwarden.launch.supervisor import Supervisor
+
+# Hands a function to the supervisor's loop and returns what it returned there
+# (``control.LoopCalls.call``): the loop owns the job's state.
+InLoop = Callable[[Callable[[float], Any]], Any]
 
 SNAPSHOT_SCHEMA = 1
 FRESH_WAIT_S = 1.0  # a rank's sampling thread answers in milliseconds unless the GIL is held
@@ -133,7 +139,7 @@ def _recent_cpu(view: RankView, span_s: float = 6.0) -> float | None:
 
 def build_snapshot(sup: Supervisor, now: float) -> JobSnapshot:
     """In the supervisor's loop: the job as it is now (nothing is asked of any rank)."""
-    from gpuwarden.launch.status import Phase
+    from gpuwarden.launch.watch.status import Phase
 
     plan, config = sup.plan, sup.plan.config
     views = sup.views()
@@ -210,8 +216,8 @@ def _ask(fifo: str, byte: bytes) -> bool:
 
 def fresh_dumps(probes: Iterable[RankProbe], wait_s: float) -> dict[int, tuple[str, bool]]:
     """rank -> (dump, fresh): taken now by each rank's sampling thread, else its latest sample."""
-    from gpuwarden.launch.sampler import read_dump
-    from gpuwarden.launch.status import query_path, sample_paths
+    from gpuwarden.launch.watch.sampler import read_dump
+    from gpuwarden.launch.watch.status import query_path, sample_paths
 
     probes = list(probes)
     pending: dict[int, tuple[str, tuple[int, int] | None]] = {}
@@ -259,7 +265,7 @@ def stack_record(rank: int, dump: str, fresh: bool, all_threads: bool) -> dict[s
     }
     if all_threads:
         others = [t for t in threads if t and not any(f.func == "_sampling_loop" for f in t)
-                  and not any("gpuwarden/launch/_bootstrap.py" in f.file for f in t)]
+                  and not any("gpuwarden/launch/ranks/_bootstrap.py" in f.file for f in t)]
         record["threads"] = [frames_of(t, MAX_THREAD_FRAMES) for t in others[:MAX_OTHER_THREADS]]
     return record
 
@@ -267,7 +273,7 @@ def stack_record(rank: int, dump: str, fresh: bool, all_threads: bool) -> dict[s
 def _flight_records(run_dir: str, wait_s: float) -> dict[int, list[dict[str, Any]]]:
     """rank -> its last collective per process group, from NCCL's flight recorder (GPU jobs
     whose ranks made dump pipes); {} elsewhere."""
-    from gpuwarden.launch import flight_recorder
+    from gpuwarden.launch.watch import flight_recorder
 
     with contextlib.suppress(OSError):  # an earlier answer must not pass for this one
         for name in os.listdir(run_dir):
@@ -293,13 +299,13 @@ def _flight_records(run_dir: str, wait_s: float) -> dict[int, list[dict[str, Any
 class JobObserver:
     """Answers ``status`` and ``stacks`` for one supervisor (in the endpoint's threads)."""
 
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: Supervisor, in_loop: InLoop) -> None:
         self.sup = sup
+        self.in_loop = in_loop
         self._asking = threading.Lock()  # one round of FIFO questions at a time
 
     def snapshot(self) -> JobSnapshot:
-        calls = self.sup.calls
-        snap: JobSnapshot = calls.call(lambda now: build_snapshot(self.sup, now))
+        snap: JobSnapshot = self.in_loop(lambda now: build_snapshot(self.sup, now))
         return snap
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -367,15 +373,13 @@ def _merge_other_nodes(answer: dict[str, Any], snap: JobSnapshot, request_id: st
                        peers: PeerView | None) -> None:
     nnodes = int(snap.public["nnodes"])
     me = int(snap.public["node_rank"])
-    from gpuwarden.launch.supervisor import _read_json
-
     # Waited for even while the watch is not connected yet: right after init_process_group the
     # script runs ahead of the watch's own connection (and of the supervisor's next look at it),
     # and a request written before the relay starts is still answered at its first poll.
     got: dict[str, Any] = {}
     path = snap.peers_file + ANSWER_SUFFIX
     while time.monotonic() < deadline:
-        data = _read_json(path)
+        data = read_json_object(path)
         if data is not None and data.get("id") == request_id:
             nodes = data.get("nodes")
             got = nodes if isinstance(nodes, dict) else {}

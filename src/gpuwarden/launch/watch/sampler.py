@@ -6,7 +6,7 @@ writing a byte to the rank's request FIFO. Nothing waits: a sample is one tick o
 stamped with the time it was asked for. The rank's thread takes the stacks under the GIL
 (``sys._current_frames``), which every collective, ``.wait()`` and sleep releases, so it
 answers while the script is blocked in C++. CPU time comes from ``/proc/PID/stat`` (all
-threads). The supervisor keeps the samples; :func:`gpuwarden.launch.stall.decide_stall` judges
+threads). The supervisor keeps the samples; :func:`gpuwarden.launch.watch.stall.decide_stall` judges
 them.
 
 For the report, a rank that does not answer within a second (a C extension holding the GIL)
@@ -21,8 +21,8 @@ import contextlib
 import os
 import time
 
-from gpuwarden.launch.stall import Sample, main_thread, parse_dump
-from gpuwarden.launch.status import STACK_SIGNAL, sample_paths
+from gpuwarden.launch.watch.stall import Sample, main_thread, parse_dump
+from gpuwarden.launch.watch.status import STACK_SIGNAL, sample_paths
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MAX_DUMP_BYTES = 1 << 20  # a dump of thousands of threads is cut here, never read whole

@@ -2,11 +2,11 @@
 
 The launcher never imports torch (its start-up costs tens of milliseconds, and no torch state
 can leak into the ranks it starts). Multi-node jobs need torch's rendezvous, so the launcher
-starts this module once per job (``python -m gpuwarden.launch._node_agent``), first thing, so
+starts this module once per job (``python -m gpuwarden.launch.multinode._node_agent``), first thing, so
 that torch's import (1-2 s) overlaps the launcher's own preflight, and talks to it over a pipe:
 one JSON object per line, commands on stdin, replies and events on stdout (its stderr, torch's
 own log lines, goes to a file the launcher shows when the agent fails).
-:mod:`gpuwarden.launch.node_agent` is the launcher's side and documents the protocol.
+:mod:`gpuwarden.launch.multinode.node_agent` is the launcher's side and documents the protocol.
 
 What runs here is torch's: :func:`c10d_rendezvous_backend.create_backend` (the TCPStore at the
 rendezvous endpoint, hosted by the node that owns the endpoint's address, for the whole job) and
@@ -25,7 +25,7 @@ Beside torch's own keys, under ``gpuwarden/<run id>/`` in the same store:
   counter stops moving is lost: counters, not timestamps, because the nodes' clocks differ;
 - ``r<round>/ended/<group rank>``: that node's ranks have ended (its counter may stop);
 - the keys the launcher reads and compare-sets through ``get``/``cas`` (the round's first
-  failure and the job's decision: :mod:`gpuwarden.launch.job_store`).
+  failure and the job's decision: :mod:`gpuwarden.launch.multinode.job_store`).
 
 The workers meet on a store of their own (``TORCHELASTIC_USE_AGENT_STORE=True``, as under
 torchrun): the agent of the node that runs rank 0 hosts a fresh one for every round, so it is up
@@ -43,7 +43,7 @@ import time
 from datetime import timedelta
 from typing import IO, Any
 
-from gpuwarden.launch.node_agent import (
+from gpuwarden.launch.multinode.node_agent import (
     ALIVE_EVERY_S,
     NODE_LOST_S,
     WAIT_EVENT_EVERY_S,

@@ -4,7 +4,7 @@ Every node of a multi-node job runs its own launcher, and each sees its own rank
 that raised on node 1, and on node 0 the echoes of it (gloo's ``Connection closed by peer``, a
 watchdog timeout). Deciding per node lets the nodes disagree: node 0 restarts on the echo while
 node 1 ends on "the same failure twice", and each names another cause. Here nothing is decided
-per node. Through the node agent (:mod:`gpuwarden.launch.node_agent`) every launcher uses these
+per node. Through the node agent (:mod:`gpuwarden.launch.multinode.node_agent`) every launcher uses these
 keys, in the store torch's rendezvous runs on (it lives as long as the job):
 
 - ``r<round>/failure``: the round's **first failure**, compare-set, so the first writer wins.
@@ -17,7 +17,7 @@ keys, in the store torch's rendezvous runs on (it lives as long as the job):
 - ``r<round>/decision``: what the job does next. The record carries everything the restart
   policy reads (the failure code, from ``explain`` over the rank's own error; the rank; the
   exception's type and innermost frame, or the signal), so every node decides from it alone,
-  with the same pure :func:`~gpuwarden.launch.restart.decide_restart`, without waiting for
+  with the same pure :func:`~gpuwarden.launch.restart.policy.decide_restart`, without waiting for
   another; compare-set keeps the first decision stored and every node follows it: the failure
   in the words every node prints, the decision and its reason, and the job's restart history.
 - ``job``: the restarts used so far and their failures (for "same failure twice"), read by
@@ -35,21 +35,21 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpuwarden.launch.node_agent import NODE_LOST_S, AgentError, NodeAgent, Round
-from gpuwarden.launch.restart import (
+from gpuwarden.launch.multinode.node_agent import NODE_LOST_S, AgentError, NodeAgent, Round
+from gpuwarden.launch.outcome import Decision, Failure, Settled, echoes
+from gpuwarden.launch.restart.policy import (
+    EXC_TYPE,
     EXCLUDE_GPU_CODES,
-    Decision,
-    Failure,
     RestartPolicy,
     decide_restart,
+    innermost_frame,
 )
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.report import LaunchReport
-    from gpuwarden.launch.stall import Stall
+    from gpuwarden.launch.watch.stall import Stall
 
 ECHO_WAIT_S = 2.0  # a node whose ranks only echoed waits this long for a real cause first
 # Kinds of first-failure records
@@ -83,8 +83,6 @@ def local_record(node: int, failed: list[RankFailure], *, interrupt: str | None,
     of its own accord (an echo only when every failure here is one). It carries what the
     restart policy reads (the code, from explain over the rank's own error text; the rank; the
     exception type and innermost frame, or the signal), so every node decides alike from it."""
-    from gpuwarden.launch.report import ECHO_TEXT
-    from gpuwarden.launch.restart import innermost_frame
     from gpuwarden.procs import describe_exit, signal_name
 
     if interrupt is not None:
@@ -98,7 +96,7 @@ def local_record(node: int, failed: list[RankFailure], *, interrupt: str | None,
     def order(f: RankFailure) -> tuple[bool, float, int]:
         text = " ".join([str(f.error.get("message", "")), *f.stderr_tail[-5:]])
         echo = (f.returncode is None or f.returncode > 0 or bool(f.error)) \
-            and bool(ECHO_TEXT.search(text))
+            and echoes(text)
         when = f.error.get("monotonic")
         return echo, float(when) if isinstance(when, (int, float)) else f.seen_at, f.rank
 
@@ -160,19 +158,6 @@ def describe(rec: dict[str, Any]) -> str:
     return f"{where}: {what}"
 
 
-@dataclass
-class Settled:
-    """How one attempt ended for the whole job."""
-
-    record: dict[str, Any] | None  # the round's first failure (None: this node saw none)
-    decision: Decision
-    failure: Failure  # the job's failure, as every node names it
-    restarts_used: int  # after this decision
-    history: list[Failure] = field(default_factory=list)  # the failures that used restarts
-    store_lost: bool = False
-    report: LaunchReport | None = None  # this node's report of the round, in the job's words
-
-
 def failure_to_dict(f: Failure) -> dict[str, Any]:
     return asdict(f)
 
@@ -193,8 +178,6 @@ def failure_from_dict(data: dict[str, Any]) -> Failure:
 
 def failure_of_record(rec: dict[str, Any]) -> Failure:
     """The Failure a node decides from when only the record is known (its writer is gone)."""
-    from gpuwarden.launch.restart import _EXC_TYPE
-
     kind = rec.get("kind")
     what = str(rec.get("what", ""))
     if kind == MEMBERSHIP:
@@ -205,7 +188,7 @@ def failure_of_record(rec: dict[str, Any]) -> Failure:
         return Failure("RDZV_STORE_LOST", what=describe(rec))
     if kind == INTERRUPT:
         return Failure("LAUNCH_INTERRUPTED", what=describe(rec))
-    typed = _EXC_TYPE.match(what)
+    typed = EXC_TYPE.match(what)
     rank = rec.get("rank")
     return failure_from_dict({
         "code": rec.get("code") or ("RANK_STALL" if kind == STALL else "RANK_FAILED"),

@@ -20,15 +20,12 @@ tests feed recorded failures (tests/test_launch_restart.py).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gpuwarden.launch.report import LaunchReport
-    from gpuwarden.launch.supervisor import RunOutcome
+from gpuwarden.launch.outcome import Decision, Failure, LaunchReport, RunOutcome, is_echo
 
 RESTART_ON = ("auto", "always")
 DEFAULT_RESTART_BACKOFF_S = 1.0
@@ -49,7 +46,8 @@ PERMANENT_CODES = frozenset({
 # A GPU that caused the failure: released, and another one leased for the next attempt.
 EXCLUDE_GPU_CODES = frozenset({"GPU_HARDWARE_FAULT", "CUDA_DEVICES_BUSY"})
 
-_EXC_TYPE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\w*): ")
+# "KeyError: ..." at the start of a failure's words: the exception's type
+EXC_TYPE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\w*): ")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)', re.MULTILINE)
 
 
@@ -59,43 +57,6 @@ class RestartPolicy:
     restart_on: str = "auto"
     backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     multinode: bool = False
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One attempt's failure, as the restart policy sees it."""
-
-    code: str  # the report's failure code (RANK_FAILED when explain knew nothing better)
-    rank: int | None = None  # the root-cause rank (another node's, for NODE_ABORTED)
-    exc_type: str | None = None  # "KeyError", "torch.distributed.DistBackendError", ...
-    where: str | None = None  # the innermost frame, "file:line"
-    signal: str | None = None  # "SIGKILL" when the rank died by a signal
-    gpu: str | None = None  # the rank's GPU uuid, None on CPU or another node
-    gpu_label: str | None = None  # how reports name it
-    what: str = ""  # one line for the attempt's line on stderr
-    echo: bool = False  # the rank failed because a peer went away (another node's failure)
-
-    @property
-    def signature(self) -> tuple[object, ...] | None:
-        """What makes two failures "the same": an exception's type and place in one rank."""
-        if self.exc_type is None:
-            return None
-        return (self.rank, self.exc_type, self.where)
-
-    def describe(self) -> str:
-        how = self.signal or (f"{self.exc_type} at {self.where}" if self.exc_type else self.what)
-        if self.rank is None or self.rank < 0:  # a node lost, a membership change, a stall...
-            return f"{self.code} ({how})" if how else self.code
-        who = f"rank {self.rank}"
-        return f"{self.code} ({who}: {how})" if how else f"{self.code} ({who})"
-
-
-@dataclass(frozen=True)
-class Decision:
-    restart: bool
-    reason: str
-    exclude_gpus: tuple[str, ...] = ()  # uuids released before the next attempt
-    counts: bool = True  # a restart that uses one of --max-restarts (not a membership change)
 
 
 def decide_restart(history: Sequence[Failure], failure: Failure, policy: RestartPolicy) -> Decision:
@@ -129,31 +90,15 @@ def decide_restart(history: Sequence[Failure], failure: Failure, policy: Restart
 
 
 def _abort_record(outcome: RunOutcome) -> dict[str, Any] | None:
-    """Multi-node: another node's failure record (the job's abort key), as the supervisor saw
-    it, else as any of this node's ranks' store watches wrote it after the supervisor stopped
-    looking (a rank that failed on an echo ends the watch of the job early)."""
-    plan = outcome.plan
-    if plan.nnodes == 1:
-        return None
+    """Multi-node: another node's failure record (the job's abort key), as this node's ranks'
+    store watches saw it (the supervisor reads their last word after they ended)."""
     rec = outcome.peers.abort if outcome.peers is not None else None
-    for spec in plan.ranks:
-        if rec is not None:
-            break
-        try:
-            with open(spec.files.peers, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("abort"), dict):
-            rec = data["abort"]
-    if rec is None or int(rec.get("node", -1)) == plan.node_rank:
+    if rec is None or int(rec.get("node", -1)) == outcome.plan.node_rank:
         return None
     return rec
 
 
 def _is_echo_root(outcome: RunOutcome, rank: int | None) -> bool:
-    from gpuwarden.launch.report import is_echo
-
     ex = outcome.exits.get(rank) if rank is not None else None
     return ex is not None and is_echo(ex)
 
@@ -176,7 +121,7 @@ def failure_of(report: LaunchReport, outcome: RunOutcome) -> Failure:
         # every node then decides alike, the same exception twice included.
         rec = abort
         what = str(rec.get("what", ""))
-        typed = _EXC_TYPE.match(what)
+        typed = EXC_TYPE.match(what)
         return Failure(code, int(rec.get("rank", -1)), exc_type=typed.group(1) if typed else None,
                        where=f"node {rec.get('node')}", what=what)
     ex = outcome.exits.get(rank) if rank is not None else None
@@ -185,8 +130,6 @@ def failure_of(report: LaunchReport, outcome: RunOutcome) -> Failure:
     exc_type = where = sig = None
     echo = False
     if ex is not None:
-        from gpuwarden.launch.report import is_echo
-
         echo = is_echo(ex)
         err = ex.error or {}
         if err.get("type"):

@@ -1,4 +1,4 @@
-"""The attempt loop of ``--max-restarts``: run, diagnose, decide (launch/restart.py), back off,
+"""The attempt loop of ``--max-restarts``: run, diagnose, decide (launch/restart/policy.py), back off,
 run again, on the GPUs leased once for the whole job.
 
 As torchrun, a restart stops and starts the whole group: every rank of the failed attempt has
@@ -22,20 +22,18 @@ from typing import TYPE_CHECKING, TextIO
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.launch.config import LaunchConfig
-from gpuwarden.launch.report import LaunchReport
-from gpuwarden.launch.restart import Failure, RestartPolicy, decide_restart, failure_of
-from gpuwarden.launch.supervisor import RunOutcome
+from gpuwarden.launch.outcome import Failure, LaunchReport, RunOutcome, Settled
+from gpuwarden.launch.restart.policy import RestartPolicy, decide_restart, failure_of
 
 if TYPE_CHECKING:
-    from gpuwarden.launch.job_store import Settled
-    from gpuwarden.lease.manager import Grant
+    from gpuwarden.lease.grant import Grant
 
 # (attempt index on this node, restarts the job used, GPUs, notes) -> the attempt's report
 RunAttempt = Callable[[int, int, tuple[GPUSnapshot, ...], tuple[str, ...]],
                       tuple[LaunchReport, RunOutcome]]
 # Several nodes: the job's settlement of an attempt (job_store.py), None when it succeeded
 Settle = Callable[[LaunchReport, RunOutcome, RestartPolicy, Callable[[], Failure]],
-                  "Settled | None"]
+                  Settled | None]
 
 
 def run_attempts(config: LaunchConfig, gpus: tuple[GPUSnapshot, ...], run_attempt: RunAttempt,

@@ -4,7 +4,7 @@ It holds only what the bootstrap itself knows without touching torch: the script
 stack signal's handler is armed), finished, or failed (an uncaught exception, recorded before
 the interpreter's slow teardown, so the supervisor stops the other ranks at once). Where a rank
 *is* (init, a collective, computing) is not recorded here: the supervisor samples it from
-outside (``launch/stall.py``). A generation counter makes a read that raced a write visible
+outside (``launch/watch/stall.py``). A generation counter makes a read that raced a write visible
 (odd while writing, or changed across the read), and the reader retries. Times are
 CLOCK_MONOTONIC, one clock for every process of a Linux host.
 """
@@ -16,7 +16,6 @@ import os
 import signal
 import struct
 import time
-from dataclasses import dataclass
 from enum import IntEnum
 
 # gen, phase, phase entered at
@@ -54,10 +53,15 @@ class Phase(IntEnum):
     FAILED = 3  # the script raised, or exited with a non-zero code
 
 
-@dataclass(frozen=True)
 class RankStatus:
-    phase: Phase
-    since: float  # monotonic time the phase was entered
+    """One read of a rank's record. (A plain class, not a dataclass: the rank bootstrap
+    imports this module before the script runs, and dataclasses would cost it ~6 ms.)"""
+
+    __slots__ = ("phase", "since")
+
+    def __init__(self, phase: Phase, since: float) -> None:
+        self.phase = phase
+        self.since = since  # monotonic time the phase was entered
 
 
 class StatusWriter:

@@ -22,8 +22,10 @@ it (``/tmp/gpuwarden-run-<uid>-XXXXXX``), which the readers look at too.
 The endpoint's work happens in its own threads, never in the supervisor's loop: a request that
 needs the supervisor's state hands a function to the loop (:class:`LoopCalls`), which runs it
 between two polls and hands the result back. The endpoint costs nothing while nobody asks (its
-thread sleeps in ``select``), and a slow or silent client cannot delay the job (bounded reads,
-timeouts, at most :data:`MAX_CLIENTS` at once).
+thread sleeps in ``select``; the answers, ``observe.py``, are imported at the first request),
+and a slow or silent client cannot delay the job (bounded reads, timeouts, at most
+:data:`MAX_CLIENTS` at once). The supervisor hosts it without knowing it (``serve`` is handed
+to it by the runner): it sees a :class:`ControlServer` only as its ``Endpoint``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpuwarden.boundedio import read_json_object
+
+if TYPE_CHECKING:
+    from gpuwarden.launch.supervisor import Supervisor
 
 RUNTIME_ENV = "GPUWARDEN_RUNTIME_DIR"
 RECORD_SCHEMA = 1
@@ -223,10 +230,13 @@ class Endpoint:
 
 
 class ControlServer:
-    """The endpoint of one launcher process: bound by :meth:`start`, gone after :meth:`close`."""
+    """The endpoint of one launcher process: bound by :meth:`start`, gone after :meth:`close`.
+    ``calls``: how its handler reaches the loop that hosts it (``fileno``, ``clear_wakeups``
+    and ``run_pending`` are that loop's side)."""
 
     def __init__(self, record: dict[str, Any], handler: Handler, *,
-                 directory: Path | None = None) -> None:
+                 directory: Path | None = None, calls: LoopCalls | None = None) -> None:
+        self.calls = calls or LoopCalls()
         self.endpoint = Endpoint(directory or runtime_dir(), os.getpid())
         self.record = {"schema": RECORD_SCHEMA, "pid": os.getpid(), "uid": os.getuid(),
                        "start_ticks": process_start_ticks(os.getpid()), "started_at": time.time(),
@@ -268,6 +278,15 @@ class ControlServer:
         with contextlib.suppress(OSError):
             os.symlink(self.endpoint.socket_path, link)
             self._links.append(link)
+
+    def fileno(self) -> int:
+        return self.calls.fileno()
+
+    def clear_wakeups(self) -> None:
+        self.calls.clear_wakeups()
+
+    def run_pending(self) -> None:
+        self.calls.run_pending()
 
     def _serve(self) -> None:
         assert self._sock is not None
@@ -321,6 +340,7 @@ class ControlServer:
         for fd in (self._stop_r, self._stop_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self.calls.close()  # a request still waiting for the loop gets a clean refusal
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -436,13 +456,7 @@ def registered_jobs(directories: list[Path] | None = None) -> list[Registered]:
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
-    from gpuwarden.boundedio import read_regular
-
-    try:
-        data = json.loads(read_regular(path, max_bytes=RECORD_MAX_BYTES, nofollow=True))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(path, max_bytes=RECORD_MAX_BYTES, nofollow=True)
 
 
 def command_line() -> str:
@@ -453,11 +467,9 @@ def command_line() -> str:
     return short_command(argv, width=300) if argv else sys.executable
 
 
-def serve(sup: Any) -> ControlServer | None:
+def serve(sup: Supervisor) -> ControlServer | None:
     """The endpoint of a supervisor (``launch/supervisor.py``), or None when it cannot be made
     (no usable runtime directory, no room for a socket): the job runs the same without it."""
-    from gpuwarden.launch.observe import JobObserver
-
     plan = sup.plan
     record = {
         "kind": "spawn" if any("--call" in spec.argv for spec in plan.ranks) else "launch",
@@ -467,9 +479,28 @@ def serve(sup: Any) -> ControlServer | None:
         "nproc": len(plan.ranks), "attempt": plan.attempt,
         "gpus": [s.gpu.label for s in plan.ranks if s.gpu is not None],
     }
+    calls = LoopCalls()
     try:
-        server = ControlServer(record, JobObserver(sup).handle).start()
+        server = ControlServer(record, _answers(sup, calls), calls=calls).start()
     except OSError:
+        calls.close()
         return None
     server.link_into(plan.run_dir)
     return server
+
+
+def _answers(sup: Supervisor, calls: LoopCalls) -> Handler:
+    """The handler of ``sup``'s endpoint: ``observe.py``'s JobObserver, imported and made at
+    the first request (most jobs are never asked)."""
+    made: list[Handler] = []
+    lock = threading.Lock()
+
+    def handle(request: dict[str, Any]) -> dict[str, Any]:
+        with lock:
+            if not made:
+                from gpuwarden.launch.observer.observe import JobObserver
+
+                made.append(JobObserver(sup, calls.call).handle)
+        return made[0](request)
+
+    return handle

@@ -1,7 +1,10 @@
-"""torch's error file: what a rank recorded with torch's own error handler, read for the report.
+"""What a rank leaves behind when it ends, read for the report: torch's error file and
+faulthandler's dump of a fatal signal. (The bootstrap's own error record is a JSON object,
+read with :func:`gpuwarden.boundedio.read_json_object`.)
 
-A script decorated with torch's ``@record`` (``torch.distributed.elastic.multiprocessing.errors``)
-or calling ``get_error_handler().record_exception(e)`` writes its exception to the file named by
+torch's error file: a script decorated with torch's ``@record``
+(``torch.distributed.elastic.multiprocessing.errors``) or calling
+``get_error_handler().record_exception(e)`` writes its exception to the file named by
 ``TORCHELASTIC_ERROR_FILE`` (gpuwarden sets it, in torchrun's layout); torchrun's
 ``ChildFailedError`` then shows that exception, its traceback and its time for the failed rank.
 gpuwarden reads the same file (bounded: the rank wrote it, and with ``--log-dir`` it may lie in a
@@ -17,39 +20,10 @@ The two layouts torch writes (``ErrorHandler.record_exception`` and ``dump_error
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass
-
-from gpuwarden.boundedio import InputRefused, read_regular
+from gpuwarden.boundedio import read_json_object
+from gpuwarden.launch.outcome import TorchError
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # a traceback, not an archive
-
-
-@dataclass(frozen=True)
-class TorchError:
-    """One rank's torch error file, as torchrun's ``ProcessFailure`` reads it."""
-
-    path: str
-    message: str  # "KeyError: 'lr'"
-    traceback: str | None  # py_callstack: the traceback torch formatted when it recorded
-    timestamp: int | None  # seconds since the epoch, as torch wrote it
-
-    @property
-    def exception_type(self) -> str | None:
-        """'KeyError' from "KeyError: 'lr'", when the message has that shape."""
-        head, sep, _ = self.message.partition(":")
-        return head if sep and head.isidentifier() else None
-
-    @property
-    def time_text(self) -> str | None:
-        """torchrun's ``timestamp_isoformat``: local time, ``YYYY-MM-DD_HH:MM:SS``."""
-        if self.timestamp is None:
-            return None
-        try:
-            return time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(self.timestamp))
-        except (OverflowError, OSError, ValueError):
-            return None
 
 
 def read_torch_error(path: str) -> TorchError | None:
@@ -57,11 +31,8 @@ def read_torch_error(path: str) -> TorchError | None:
     not have one of torch's layouts."""
     if not path:
         return None
-    try:
-        data = json.loads(read_regular(path, max_bytes=MAX_ERROR_FILE_BYTES, nofollow=True))
-    except (OSError, InputRefused, ValueError, RecursionError):
-        return None
-    return parse_torch_error(path, data)
+    data = read_json_object(path, max_bytes=MAX_ERROR_FILE_BYTES, nofollow=True)
+    return None if data is None else parse_torch_error(path, data)
 
 
 def parse_torch_error(path: str, data: object) -> TorchError | None:
@@ -85,3 +56,22 @@ def _int(value: object) -> int | None:
         return int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def read_fatal_dump(path: str) -> str:
+    """faulthandler's dump of a fatal signal (SIGSEGV, SIGABRT, ...), which the bootstrap
+    points at ``path``; empty when the rank wrote none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def fatal_dump_in(lines: list[str]) -> str:
+    """The faulthandler dump a crashed rank printed on stderr ('Fatal Python error: ...'), if any
+    (torch's ``@record`` re-enables faulthandler on stderr, replacing the bootstrap's file)."""
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            return "\n".join(lines[i:])
+    return ""

@@ -1,5 +1,5 @@
 """The bootstrap every rank of ``gpuwarden launch`` runs under:
-``python -m gpuwarden.launch._bootstrap SCRIPT [ARGS...]``.
+``python -m gpuwarden.launch.ranks._bootstrap SCRIPT [ARGS...]``.
 
 It changes nothing of torch (no import hook, no wrapped function: the script sees exactly the
 ``torch`` that torchrun's ranks see) and prints nothing. Before the script runs it only:
@@ -10,17 +10,17 @@ It changes nothing of torch (no import hook, no wrapped function: the script see
 - starts a sampling thread (a bare ``_thread``, idle in a read of a per-rank FIFO): for each
   byte the supervisor writes there, it writes every thread's Python stack
   (``sys._current_frames``, under the GIL, so always consistent) to a per-rank file. This is
-  how the supervisor sees where each rank is (``launch/sampler.py``, ``launch/stall.py``); a
+  how the supervisor sees where each rank is (``launch/watch/sampler.py``, ``launch/watch/stall.py``); a
   ``q`` byte (``gpuwarden stacks`` asked) is answered the same way in a file of its own;
 - arms faulthandler: a dump on fatal signals (SIGSEGV, SIGABRT, SIGBUS...) to a file, and an
   all-thread dump on :data:`STACK_SIGNAL`, the last resort when the sampling thread cannot get
   the GIL; only the sampling thread accepts that signal, so no system call of the script or of
   torch is ever interrupted by it;
-- marks the rank STARTED in its status record (``launch/status.py``): from then on the stack
+- marks the rank STARTED in its status record (``launch/watch/status.py``): from then on the stack
   signal is safe to send (before, a real-time signal's default action would kill the rank);
 - multi-node only: a daemon thread that looks at the main thread's own frames (public
   ``sys._current_frames``) and, once the script is inside ``init_process_group``, joins the
-  job's TCPStore as an observer (``launch/_store_watch.py``).
+  job's TCPStore as an observer (``launch/multinode/_store_watch.py``).
 
 It then runs the script as ``python SCRIPT`` does: a fresh ``__main__`` module whose
 ``__file__`` is absolute, ``sys.argv`` as given, ``sys.path[0]`` the script's (symlink-resolved)
@@ -35,17 +35,25 @@ from __future__ import annotations
 import builtins
 import faulthandler
 import importlib.machinery
-import json
 import os
 import signal
 import sys
 import threading
 import time
 import types
-from typing import Any
 
-from gpuwarden.launch.status import STACK_SIGNAL, Phase, StatusWriter, query_path, sample_paths
+from gpuwarden.launch.watch.status import (
+    STACK_SIGNAL,
+    Phase,
+    StatusWriter,
+    query_path,
+    sample_paths,
+)
 from gpuwarden.procs import die_with_parent
+
+TYPE_CHECKING = False  # typing is not imported here at run time: see gpuwarden/__init__.py
+if TYPE_CHECKING:
+    from typing import Any
 
 # threading is imported above, in the main thread, on purpose: imported first by the sampling
 # thread, it would take that thread for the main one, and the interpreter's exit would wait for it.
@@ -53,6 +61,9 @@ _status: StatusWriter | None = None
 # faulthandler writes to these file descriptors from a signal handler for the life of the
 # process; the bootstrap's own module object is kept too (the script replaces __main__).
 _keep_alive: list[Any] = []
+# Several nodes only: the watch of the workers' store (multinode/_store_watch.py), set by _arm.
+# A rank of a one-node job imports none of it.
+_store_watch: types.ModuleType | None = None
 
 
 def _set(phase: Phase) -> None:
@@ -61,7 +72,7 @@ def _set(phase: Phase) -> None:
 
 
 def _arm(env: os._Environ[str] | dict[str, str]) -> None:
-    global _status
+    global _status, _store_watch
     # Importing this module ran gpuwarden/__init__, which puts the joblib-backend finder on
     # sys.meta_path; the script did not ask for gpuwarden: its process gets no import hook,
     # and its own `import gpuwarden` runs the package's __init__ as under torchrun.
@@ -83,9 +94,10 @@ def _arm(env: os._Environ[str] | dict[str, str]) -> None:
     if env.get("GPUWARDEN_STATUS_FILE"):
         _status = StatusWriter(env["GPUWARDEN_STATUS_FILE"])
     if env.get("GPUWARDEN_PEERS_FILE"):
-        from gpuwarden.launch import _store_watch
+        from gpuwarden.launch.multinode import _store_watch as watch
 
-        _store_watch.start_when_joining(env)
+        _store_watch = watch
+        watch.start_when_joining(env)
     _set(Phase.STARTED)  # only now may the supervisor send the stack signal
 
 
@@ -176,6 +188,7 @@ def _script_traceback(exc: BaseException) -> types.TracebackType | None:
 
 
 def _write_error(path: str, exc: BaseException, tb: types.TracebackType | None) -> None:
+    import json  # here, as traceback: a rank that does not fail imports neither
     import traceback
 
     record = {
@@ -298,23 +311,23 @@ def main(argv: list[str]) -> int:
 
 
 def _finished(code: int) -> None:
-    from gpuwarden.launch import _store_watch
-
     if code == 0:
         _set(Phase.FINISHED)
-        _store_watch.stop()
+        if _store_watch is not None:
+            _store_watch.stop()
     else:
         _set(Phase.FAILED)
-        _tell_other_nodes(code)
-        # As after a good run: no store traffic (and no watch starting) while the interpreter
-        # finalizes, where torch's C++ objects abort on a thread still using them.
-        _store_watch.stop()
+        if _store_watch is not None:
+            _tell_other_nodes(code)
+            # As after a good run: no store traffic (and no watch starting) while the
+            # interpreter finalizes, where torch's C++ objects abort on a thread still using them.
+            _store_watch.stop()
 
 
 def _tell_other_nodes(code: int) -> None:
     """Multi-node: set the job's abort key at once, so every node stops within a poll (0.5 s)
     rather than at NCCL's watchdog. Only when this rank already holds a store client."""
-    from gpuwarden.launch import _store_watch
+    from gpuwarden.launch.multinode import _store_watch
 
     if not _store_watch.connected(wait_s=2.0):
         return
@@ -323,6 +336,7 @@ def _tell_other_nodes(code: int) -> None:
                               int(env.get("GPUWARDEN_NODE_RANK", "0")), "pid": os.getpid(),
                               "exit_code": code, "time": time.time()}
     try:
+        import json
         import socket
 
         record["host"] = socket.gethostname()
@@ -336,7 +350,7 @@ def _tell_other_nodes(code: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        print("usage: python -m gpuwarden.launch._bootstrap SCRIPT [ARGS...] | -m MODULE "
+        print("usage: python -m gpuwarden.launch.ranks._bootstrap SCRIPT [ARGS...] | -m MODULE "
               "[ARGS...] | --call PAYLOAD", file=sys.stderr)
         sys.exit(2)
     sys.exit(main(sys.argv[1:]))
