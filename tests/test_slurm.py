@@ -30,9 +30,6 @@ KILL_WAIT_S = 10  # slurm.conf's KillWait: Slurm's SIGKILL follows its SIGTERM a
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
-D3 = pytest.mark.xfail(strict=True, reason=(
-    "issue 35 defect 3: proctrack/linuxproc signals every process of the step and the "
-    "launcher passes the signal on again: the ranks' handler runs twice"))
 D4 = pytest.mark.xfail(strict=True, reason=(
     "issue 35 defect 4: a second --overlap step of the same job is refused the job's GPUs "
     "(SELECT_UNSATISFIED, the sibling step's launcher named)"))
@@ -366,7 +363,6 @@ def send_notices(slurm: Cluster, job: int, notice_dir: Path, ranks: int, count: 
     return [lines_of(f) for f in files]
 
 
-@D3
 def test_a_preemption_notice_runs_each_ranks_handler_once(slurm: Cluster,
                                                           tmp_path: Path) -> None:
     """The preemption recipe under proctrack/linuxproc, which signals every process of the
@@ -425,7 +421,7 @@ def slurm_pgid(slurm_pgid_cluster: Cluster, no_leftover_processes: None) -> Iter
     yield from slurm_checked(slurm_pgid_cluster)
 
 
-@pytest.mark.parametrize("proctrack", ["pgid", pytest.param("linuxproc", marks=D3)])
+@pytest.mark.parametrize("proctrack", ["pgid", "linuxproc"])
 def test_a_preemption_notice_reaches_each_rank_once_whatever_the_proctrack(
         request: Any, tmp_path: Path, proctrack: str) -> None:
     """One node, ranks without torch: under proctrack/pgid Slurm signals the launcher's process
