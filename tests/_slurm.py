@@ -151,7 +151,7 @@ class Cluster:
         env.update(extra or {})
         return env
 
-    def run(self, argv: Sequence[str], *, timeout: float = 90, env: Mapping[str, str] | None = None,
+    def run(self, argv: Sequence[str], *, timeout: float = 180, env: Mapping[str, str] | None = None,
             cwd: str | Path | None = None, input: str | None = None,
             node: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.cmd(argv, node), capture_output=True, text=True,
@@ -191,7 +191,7 @@ class Cluster:
     def state(self, job_id: int) -> str:
         return self.job(job_id).get("JobState", "")
 
-    def wait_state(self, job_id: int, states: Iterable[str] = ENDED, timeout: float = 90) -> str:
+    def wait_state(self, job_id: int, states: Iterable[str] = ENDED, timeout: float = 180) -> str:
         """Poll until the job is in one of ``states``; the state (AssertionError after
         ``timeout``, naming the state it was in)."""
         wanted = set(states)

@@ -58,13 +58,19 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     if not visible and config.gpus is None:
         return TakenGPUs((), ("no GPU visible: ranks run on CPU (gloo)",))
 
-    probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes))
+    from gpuwarden.lease.jobstep import same_slurm_job
+
+    # Inside a Slurm job, its other steps' processes on these GPUs are the job's own use of
+    # them, not a stranger's (`srun --overlap`: the steps of a job share its GPUs).
+    ours = same_slurm_job(p.pid for g in visible for p in g.processes)
+    probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes,
+                                        own_pids=ours))
     usable = len(probe.acceptable)
     world = rank_count(config, usable)
     want = config.explicit_gpu_count or world
     if config.share:
         want = min(want, max(usable, 1))
-    constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes)
+    constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes, own_pids=ours)
     now = select(visible, constraints)
     if not now.satisfied and (not config.wait_s or want > len(visible)):
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
@@ -91,8 +97,19 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
                             visible=visible, inventory=inventory,
                             on_wait=printer if config.wait_s else None)
     except ConstraintError as exc:
-        raise _more_ranks_than_gpus(exc, world, count) from exc
-    return TakenGPUs(tuple(grant.gpus), (), grant.release)
+        from gpuwarden.lease.jobstep import blame_slurm_job
+
+        refused = _more_ranks_than_gpus(exc, world, count)
+        blame_slurm_job(refused)  # GPUs another step of this Slurm job holds: its fix
+        raise refused from exc
+    from gpuwarden.lease.jobstep import StepGrant
+
+    notes: tuple[str, ...] = ()
+    if isinstance(grant, StepGrant) and grant.slurm_job is not None:
+        holders = ", ".join(f"pid {a.holder_pid}" for a in grant.allocations)
+        notes = (f"GPU(s) {grant.visible_devices} shared with another step of Slurm job "
+                 f"{grant.slurm_job} ({holders}), which holds them",)
+    return TakenGPUs(tuple(grant.gpus), notes, grant.release)
 
 
 def _more_ranks_than_gpus(exc: ConstraintError, world: int, count: int) -> ConstraintError:
