@@ -2,6 +2,8 @@
 torch's env:// contract only, a gloo all_reduce of (rank + 1), one line per rank saying what
 the rank was given. Switches, exported by the job as a user exports them:
 
+    TRAIN_LIGHT=1         no torch: the line from the environment alone (sum=-), for the tests
+                          about what a launcher is given and how a job ends, not the collective
     TRAIN_CRASH_RANK=R    rank R raises after init_process_group; the others wait in the
                           all_reduce until their launcher stops them
     TRAIN_HOLD_DIR=D      after init each rank writes D/ready.<rank> (its pid and node) and
@@ -14,37 +16,48 @@ the rank was given. Switches, exported by the job as a user exports them:
 
 import os
 import signal
+import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-notices = os.environ.get("TRAIN_NOTICE_DIR")
+env = os.environ.get
+light = bool(env("TRAIN_LIGHT"))
+notices = env("TRAIN_NOTICE_DIR")
 if notices:
     def on_notice(signum, frame):
-        rank = os.environ["RANK"]
-        with open(os.path.join(notices, f"notice.{rank}"), "a") as f:
+        with open(os.path.join(notices, f"notice.{os.environ['RANK']}"), "a") as f:
             f.write(f"{time.monotonic()}\n")
 
     signal.signal(signal.SIGUSR1, on_notice)
 
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-hold = os.environ.get("TRAIN_HOLD_DIR")
-if hold and not (os.environ.get("TRAIN_HOLD_FIRST_RUN_ONLY") and restart > 0):
+if light:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+else:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+restart = int(env("SLURM_RESTART_COUNT") or 0)
+hold = env("TRAIN_HOLD_DIR")
+if hold and not (env("TRAIN_HOLD_FIRST_RUN_ONLY") and restart > 0):
     with open(os.path.join(hold, f"ready.{rank}.tmp"), "w") as f:
-        f.write(f"{os.getpid()} {os.environ.get('SLURMD_NODENAME')}\n")
+        f.write(f"{os.getpid()} {env('SLURMD_NODENAME')}\n")
     os.rename(os.path.join(hold, f"ready.{rank}.tmp"), os.path.join(hold, f"ready.{rank}"))
     deadline = time.monotonic() + 300
     while not os.path.exists(os.path.join(hold, "go")) and time.monotonic() < deadline:
         time.sleep(0.05)
-if os.environ.get("TRAIN_CRASH_RANK") == str(rank):
+if env("TRAIN_CRASH_RANK") == str(rank):
     raise RuntimeError(f"rank {rank} crashed on purpose")
-x = torch.tensor([float(rank + 1)])
-dist.all_reduce(x)
-env = os.environ.get
-print(f"train: rank={rank} world={world} local={env('LOCAL_RANK')}/{env('LOCAL_WORLD_SIZE')} "
-      f"node={env('GROUP_RANK')} host={env('SLURMD_NODENAME')} "
-      f"gpus={env('CUDA_VISIBLE_DEVICES')} restart={restart} sum={x.item():g}", flush=True)
-dist.destroy_process_group()
+total = "-"
+if not light:
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    total = f"{x.item():g}"
+# One write: the ranks of torchrun share one pipe, and print's two writes could interleave.
+sys.stdout.write(f"train: rank={rank} world={world} local={env('LOCAL_RANK')}/"
+                 f"{env('LOCAL_WORLD_SIZE')} node={env('GROUP_RANK')} "
+                 f"host={env('SLURMD_NODENAME')} gpus={env('CUDA_VISIBLE_DEVICES')} "
+                 f"restart={restart} sum={total}\n")
+sys.stdout.flush()
+if not light:
+    dist.destroy_process_group()
