@@ -15,9 +15,13 @@ Also reports the peak resident memory of the explain pass (a child process), to
 show the log is never held whole, and what the line normalizer costs: fresh processes
 with it and without it (``Explainer(normalize_lines=False)``), run in alternating
 pairs (--pairs), compared by their CPU time, which a machine loaded by other jobs
-disturbs far less than wall time. Usage:
+disturbs far less than wall time. ``--baseline SRC`` compares, in the same way and in the
+same run, this checkout with another one's ``src`` directory (e.g. main's, from
+``git archive main src | tar -x -C /tmp/base``): fresh processes alternating between the two,
+each one's CPU time, MiB/s and peak RSS. Usage:
 
     python benchmarks/explain_throughput.py [--size-mb 200] [--keep PATH] [--pairs 3]
+                                            [--baseline SRC]
 """
 
 from __future__ import annotations
@@ -108,11 +112,15 @@ def grep_seconds(path: Path) -> float | None:
         os.unlink(kw.name)
 
 
-def explain_in_child(path: Path, *, normalize: bool = True) -> tuple[float, float, str, int]:
+def explain_in_child(path: Path, *, normalize: bool = True, src: Path | None = None
+                     ) -> tuple[float, float, str, int]:
     """Run the explain pass in a fresh process: its wall and CPU seconds, the answer, and its
-    peak RSS (KiB, Linux). ``normalize=False``: without the line normalizer."""
+    peak RSS (KiB, Linux). ``normalize=False``: without the line normalizer. ``src``: import
+    gpuwarden from that directory instead of this checkout."""
     code = (
         "import resource, sys, time\n"
+        "import gpuwarden\n"
+        "assert gpuwarden.__file__.startswith(sys.argv[3]), (gpuwarden.__file__, sys.argv[3])\n"
         "from gpuwarden.explain import load_knowledge\n"
         "from gpuwarden.explain.engine import Explainer\n"
         "kb = load_knowledge()\n"
@@ -125,9 +133,30 @@ def explain_in_child(path: Path, *, normalize: bool = True) -> tuple[float, floa
         "print(time.perf_counter() - t0, time.process_time() - c0, d.primary.code,"
         " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(path), "on" if normalize else "off"],
-                         check=True, capture_output=True, text=True).stdout.split()
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(src), env.get("PYTHONPATH"))))
+    where = str(src.resolve()) if src is not None else str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code, str(path), "on" if normalize else "off",
+                          where], check=True, capture_output=True, text=True, env=env).stdout.split()
     return float(out[0]), float(out[1]), out[2], int(out[3])
+
+
+def baseline_comparison(path: Path, src: Path, pairs: int
+                        ) -> tuple[list[float], list[float], int, int]:
+    """CPU seconds of the explain pass with the baseline's src and with this checkout's, in
+    alternating pairs of fresh processes, and the highest peak RSS (KiB) of each."""
+    base: list[float] = []
+    this: list[float] = []
+    rss = {True: 0, False: 0}
+    for i in range(pairs):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        for is_base in order:
+            _, cpu, answer, peak = explain_in_child(path, src=src if is_base else None)
+            assert answer == "CUDA_OOM", (answer, is_base)
+            (base if is_base else this).append(cpu)
+            rss[is_base] = max(rss[is_base], peak)
+    return base, this, rss[True], rss[False]
 
 
 def normalizer_cost(path: Path, pairs: int) -> tuple[list[float], list[float]]:
@@ -149,6 +178,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="write the log here and keep it")
     ap.add_argument("--pairs", type=int, default=3,
                     help="runs without and with the normalizer, alternating (default 3)")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="SRC",
+                    help="another checkout's src directory to compare with, in alternating "
+                    "pairs of fresh processes")
     args = ap.parse_args()
     tmpdir = tempfile.mkdtemp(prefix="gpuwarden-explain-bench-")
     path = args.keep or Path(tmpdir) / "noisy.log"
@@ -193,6 +225,16 @@ def main() -> None:
               f"with: {' '.join(f'{x:.2f}' for x in on)}")
         print(f"peak RSS of the fresh explain process: {rss_kib / 1024:.0f} MiB "
               f"for a {mib:.0f} MiB log")
+        if args.baseline is not None:
+            base, this, base_rss, this_rss = baseline_comparison(path, args.baseline, args.pairs)
+            b, t = statistics.median(base), statistics.median(this)
+            print(f"baseline {args.baseline} vs this checkout, {args.pairs} alternating pairs "
+                  f"of fresh processes, CPU time (median):")
+            print(f"  baseline: {b:.2f} s = {mib / b:.1f} MiB/s, peak RSS "
+                  f"{base_rss / 1024:.0f} MiB; runs: {' '.join(f'{x:.2f}' for x in base)}")
+            print(f"  this:     {t:.2f} s = {mib / t:.1f} MiB/s, peak RSS "
+                  f"{this_rss / 1024:.0f} MiB; runs: {' '.join(f'{x:.2f}' for x in this)}")
+            print(f"  this checkout vs baseline: {100 * (t / b - 1):+.1f} % CPU time")
         print(f"answer: {diag.primary.code} at line {diag.primary.first_line} "
               f"(rank {diag.primary.first_rank}); echoes: {[f.code for f in diag.others]}")
     finally:

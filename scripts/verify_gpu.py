@@ -253,8 +253,9 @@ def _checked(argv: list[str], env: dict[str, str] | None = None) -> str:
 
 def stage_versions(ctx: Context) -> dict[str, Any]:
     versions: dict[str, Any] = {"python": sys.version.split()[0], "nvml": ctx.nvml}
+    # importing torch takes seconds on a quiet machine, tens of them on a loaded one
     res = ctx.run("versions: torch", [ctx.python, "-c", _TORCH_PROBE], ROOT,
-                  max(20.0, ctx.left("versions")))
+                  max(60.0, ctx.left("versions")))
     try:
         versions["torch"] = json.loads(res.output.strip().splitlines()[-1])
     except (ValueError, IndexError):

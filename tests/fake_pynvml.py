@@ -18,6 +18,8 @@ values are pynvml's own ctypes structs (``c_nvmlMemory_t``, ``nvmlPciInfo_t``,
   which on every query of that GPU answers ``GPU_IS_LOST``.
 - the v1 C symbol of the running-process queries, reached through ``_nvmlGetFunctionPointer``
   and called with ctypes arguments exactly as the C library is (count pointer, array).
+- the NVLink fabric state (``nvmlDeviceGetGpuFabricInfo`` fills pynvml's own
+  ``c_nvmlGpuFabricInfo_t`` through the pointer it is given, as the C function does).
 - health readings per GPU (:class:`FakeHealth`): each one a value, or an ``NVML_ERROR_*`` code
   the query answers instead (NOT_SUPPORTED on a board without the sensor, UNKNOWN as some
   power sensors answer), with NVLink answering INVALID_ARGUMENT past the last link as drivers do.
@@ -61,6 +63,11 @@ class FakeHealth:
     retired_pending: int = 0
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corr, unc, pending, failed
     nvlink_states: list[int] = field(default_factory=list)  # per link: 1 up, 0 down
+    # nvmlGpuFabricState_t (1 not started, 2 in progress, 3 completed); None: NOT_SUPPORTED,
+    # as every GPU outside an NVSwitch system of Hopper or later answers. fabric_status: the
+    # nvmlReturn_t of a completed registration.
+    fabric_state: int | None = None
+    fabric_status: int = real.NVML_SUCCESS
 
 
 ERROR = -1_000_000  # health values at or below this are errors: ERROR + NVML_ERROR_*
@@ -170,6 +177,9 @@ class FakeDriver:
         mod = types.ModuleType("fake_pynvml")
         for name in dir(real):  # constants and the error classes themselves, not copies
             if name.startswith(("NVML_", "NVMLError")):
+                setattr(mod, name, getattr(real, name))
+        for name in ("c_nvmlGpuFabricInfo_t",):  # structs the caller allocates
+            if name not in self.absent:
                 setattr(mod, name, getattr(real, name))
         for name, fn in self._functions().items():
             if name not in self.absent:
@@ -360,13 +370,24 @@ class FakeDriver:
                 raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
             return answer(states[link])
 
+        def nvmlDeviceGetGpuFabricInfo(handle: _Handle, info_ref: Any) -> int:
+            h = health(handle, "nvmlDeviceGetGpuFabricInfo")
+            if h.fabric_state is None:
+                raise real.NVMLError(real.NVML_ERROR_NOT_SUPPORTED)
+            info = info_ref._obj  # what ctypes.byref() wraps: the caller's struct
+            assert isinstance(info, real.c_nvmlGpuFabricInfo_t)
+            info.state = answer(h.fabric_state)
+            info.status = h.fabric_status
+            return real.NVML_SUCCESS
+
         for fn in (nvmlDeviceGetTemperature, nvmlDeviceGetFanSpeed, nvmlDeviceGetPowerUsage,
                    nvmlDeviceGetEnforcedPowerLimit, nvmlDeviceGetPowerManagementLimit,
                    nvmlDeviceGetPerformanceState, nvmlDeviceGetClockInfo,
                    nvmlDeviceGetMaxClockInfo, nvmlDeviceGetCurrentClocksEventReasons,
                    nvmlDeviceGetCurrentClocksThrottleReasons, nvmlDeviceGetTotalEccErrors,
                    nvmlDeviceGetRetiredPages, nvmlDeviceGetRetiredPagesPendingStatus,
-                   nvmlDeviceGetRemappedRows, nvmlDeviceGetNvLinkState):
+                   nvmlDeviceGetRemappedRows, nvmlDeviceGetNvLinkState,
+                   nvmlDeviceGetGpuFabricInfo):
             fns[fn.__name__] = fn
 
         for fn in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,

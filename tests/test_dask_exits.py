@@ -308,3 +308,18 @@ def test_worker_names_take_the_prefix_given() -> None:
     assert {s.host for s in specs} == {"box-a"}
     assert main(["worker", "--cpu", "--name", "a/b", "tcp://127.0.0.1:1"]) == 2
 
+
+
+def test_an_embedded_worker_command_gives_the_environment_back(monkeypatch) -> None:
+    """main(["worker", ...]) in a program's own process (a test, a notebook) must not leave
+    CUDA_VISIBLE_DEVICES emptied for the rest of it: the whole suite ran later tests with no
+    GPU visible because an earlier one called the worker command in-process."""
+    import os
+
+    from gpuwarden.cli import main
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.delenv("DASK_LOGGING__DISTRIBUTED", raising=False)
+    assert main(["worker", "--cpu", "--connect-timeout", "2s", "tcp://127.0.0.1:1"]) != 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "DASK_LOGGING__DISTRIBUTED" not in os.environ

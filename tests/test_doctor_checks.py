@@ -12,7 +12,7 @@ from gpuwarden import net
 from gpuwarden.doctor import Options, Probes, Report, Status, run_doctor
 from gpuwarden.doctor.host_checks import check_nofile, check_start_method
 from gpuwarden.doctor.net_checks import check_socket_ifname
-from gpuwarden.doctor.probes import ShmInfo, TorchInfo
+from gpuwarden.doctor.probes import CudaDriverInfo, ShmInfo, TorchInfo, query_cuda_driver
 from gpuwarden.errors import NoGPUError
 from gpuwarden.inventory.simulated import SimulatedBackend
 from gpuwarden.inventory.snapshot import HostSnapshot
@@ -25,6 +25,23 @@ CUDA_TORCH = TorchInfo(True, version="2.5.1+cu121", cuda="12.1", cuda_compiled=T
 CPU_TORCH = TorchInfo(True, version="2.13.0+cpu", cuda=None, cuda_compiled=False,
                       python="/usr/bin/python3")
 NO_TORCH = TorchInfo(False, error="ModuleNotFoundError: No module named 'torch'")
+
+# What libcuda answers on a healthy host, and on one whose Fabric Manager is down.
+DRIVER_OK = CudaDriverInfo(result=0, name="CUDA_SUCCESS", message="no error", device_count=2)
+DRIVER_NOT_READY = CudaDriverInfo(result=802, name="CUDA_ERROR_SYSTEM_NOT_READY",
+                                  message="system not yet initialized")
+# torch's warning when cudaGetDeviceCount meets that host (its runtime's wording)
+TORCH_802 = ("CUDA initialization: Unexpected error from cudaGetDeviceCount(). Did you run some "
+             "cuda functions before calling NumCudaDevices() that might have already set an "
+             "error? Error 802: system not yet initialized (Triggered internally at "
+             "../c10/cuda/CUDAFunctions.cpp:109.)")
+
+
+def driver_of(answer: CudaDriverInfo | None) -> Callable[[Mapping[str, str], HostSnapshot],
+                                                         CudaDriverInfo | None]:
+    """A simulated host answers from its scenario (the real function); an NVML one *answer*."""
+    return lambda env, host: answer if host.source == "nvml" else query_cuda_driver(env, host)
+
 
 IFACES = {"lo": ("127.0.0.1", "::1"), "eth0": ("10.0.0.5", "fe80::1"), "ib0": ("192.168.7.5",)}
 
@@ -50,6 +67,7 @@ def fake_probes(**over: object) -> Probes:
     base = Probes(
         read_host=host_from("doctor_idle"),
         query_torch=lambda env: CUDA_TORCH,
+        query_cuda_driver=driver_of(DRIVER_OK),
         resolve=resolver({"node1": ("10.0.0.5",), "master.example": ("10.0.0.9",),
                           "localhost": ("127.0.0.1",)}),
         connect_tcp=lambda h, a, p: net.ProbeResult(h, p, net.ProbeStatus.OK, "connected", 0.001),
@@ -82,7 +100,7 @@ def test_healthy_host_has_no_warning_and_exits_0() -> None:
     assert report.exit_code == 0
     assert report.by_id("nproc").what.startswith("2 rank(s) fit on GPUs of their own: 0,1")
     assert {c.id for c in report.checks} >= {
-        "driver", "torch_cuda_build", "cuda_runtime", "visible_devices", "compute_mode",
+        "driver", "cuda_system_ready", "torch_cuda_build", "cuda_runtime", "visible_devices", "compute_mode",
         "gpu_memory", "mig", "nproc", "shm_dataloader", "shm_nccl", "open_files",
         "nvml_cuda_check", "start_method", "hostname", "master_addr", "master_port",
         "nccl_socket_ifname", "gloo_socket_ifname"}
@@ -377,3 +395,107 @@ def test_ifname_that_misses_the_route_to_master_warns() -> None:
 def test_interface_without_address_does_not_count() -> None:
     check = check_socket_ifname("NCCL_SOCKET_IFNAME", "=eth1", {"eth1": ("fe80::2",)})
     assert check.status is Status.FAIL
+
+
+# --- CUDA_SYSTEM_NOT_READY: the Fabric Manager of an NVSwitch system -------------------------
+
+def nvml(name: str) -> Callable[[Mapping[str, str]], HostSnapshot]:
+    """A scenario's host as if NVML had read it (the doctor then asks the driver and torch)."""
+    return lambda env: replace(host_from(name)(env), source="nvml")
+
+
+def test_a_fabric_that_is_not_ready_fails_before_any_job_runs() -> None:
+    # An HGX H100 whose Fabric Manager is down, through the simulated backend alone: NVML's
+    # fabric state says it; the scenario states no cuInit answer.
+    report = doctor(read_host=host_from("doctor_fabric_in_progress"), nproc=4)
+    ready = report.by_id("cuda_system_ready")
+    assert (ready.status, ready.code) == (Status.FAIL, "CUDA_SYSTEM_NOT_READY")
+    assert ready.what == ("CUDA cannot start on this host: the NVLink fabric of GPUs 0-3 is not "
+                          "ready (in_progress, not_started)")
+    assert ready.evidence[:3] == ("GPU 0: NVLink fabric in_progress",
+                                  "GPU 1: NVLink fabric in_progress",
+                                  "GPU 2: NVLink fabric not_started")
+    assert ready.fix and "nvidia-fabricmanager" in ready.fix and "550.90.07" in ready.fix
+    assert ready.why and "Fabric Manager" in ready.why
+    assert report.exit_code == 1
+
+
+def test_a_failed_fabric_registration_fails_on_the_gpu_it_failed() -> None:
+    ready = doctor(read_host=host_from("doctor_fabric_failed")).by_id("cuda_system_ready")
+    assert ready.status is Status.FAIL
+    assert "fabric of GPU 1 is not ready (completed, registration failed)" in ready.what
+    assert "GPU 1: NVLink fabric completed, NVML: Timeout" in ready.evidence
+
+
+def test_an_ampere_host_is_judged_by_the_drivers_answer_in_its_scenario() -> None:
+    # A100: NVML has no fabric state; the scenario's cuda_init is the driver's answer.
+    report = doctor(read_host=host_from("doctor_a100_not_ready"))
+    ready = report.by_id("cuda_system_ready")
+    assert ready.status is Status.FAIL
+    assert "cuInit with CUDA_ERROR_SYSTEM_NOT_READY" in ready.what
+    assert ready.evidence == ("cuInit: CUDA_ERROR_SYSTEM_NOT_READY (as the scenario states)",)
+
+
+def test_a_registered_fabric_and_a_driver_that_initializes_pass() -> None:
+    ready = doctor(read_host=host_from("doctor_fabric_ready")).by_id("cuda_system_ready")
+    assert ready.status is Status.OK
+    assert ready.what == ("the CUDA driver initializes; the NVLink fabric is registered on "
+                          "GPUs 0-1")
+    # No fabric and no statement: nothing to judge by.
+    idle = doctor().by_id("cuda_system_ready")
+    assert idle.status is Status.SKIP and idle.evidence == ()
+
+
+def test_on_a_real_host_the_drivers_answer_fails_it_and_the_runtime_check_defers() -> None:
+    torch = replace(CUDA_TORCH, runtime_device_count=0, runtime_warnings=(TORCH_802,))
+    report = doctor(read_host=nvml("doctor_idle"), query_torch=lambda env: torch,
+                    query_cuda_driver=driver_of(DRIVER_NOT_READY))
+    ready = report.by_id("cuda_system_ready")
+    assert ready.status is Status.FAIL
+    assert ready.what == ("CUDA cannot start on this host: the driver answers cuInit with "
+                          "CUDA_ERROR_SYSTEM_NOT_READY (802: system not yet initialized)")
+    assert ready.evidence == (
+        "cuInit: CUDA_ERROR_SYSTEM_NOT_READY (802: system not yet initialized)",
+        f"torch's runtime (subprocess): {TORCH_802}")
+    # One cause, said once: the runtime's empty device list is its consequence.
+    runtime = report.by_id("cuda_runtime")
+    assert runtime.status is Status.SKIP and "cuda_system_ready" in runtime.what
+    assert [c.id for c in report.checks if c.status is Status.FAIL] == ["cuda_system_ready"]
+
+
+def test_torchs_warning_alone_names_it_on_a_real_host_and_nowhere_else() -> None:
+    torch = replace(CUDA_TORCH, runtime_device_count=0, runtime_warnings=(TORCH_802,))
+    unasked = doctor(read_host=nvml("doctor_idle"), query_torch=lambda env: torch,
+                     query_cuda_driver=driver_of(CudaDriverInfo(error="libcuda.so.1 cannot be "
+                                                                "loaded: not found")))
+    ready = unasked.by_id("cuda_system_ready")
+    assert ready.status is Status.FAIL and "torch's CUDA runtime says" in ready.what
+    assert "cuInit could not be asked: libcuda.so.1 cannot be loaded: not found" in ready.evidence
+    # A simulated host is not judged by the torch of the machine the doctor runs on.
+    simulated = doctor(query_torch=lambda env: torch).by_id("cuda_system_ready")
+    assert simulated.status is Status.SKIP
+
+
+def test_other_driver_answers_are_not_this_checks_to_name() -> None:
+    no_device = CudaDriverInfo(result=100, name="CUDA_ERROR_NO_DEVICE",
+                               message="no CUDA-capable device is detected")
+    report = doctor(read_host=nvml("doctor_idle"), query_cuda_driver=driver_of(no_device))
+    ready = report.by_id("cuda_system_ready")
+    assert ready.status is Status.OK and "CUDA_ERROR_NO_DEVICE" in ready.what
+    ok = doctor(read_host=nvml("doctor_idle")).by_id("cuda_system_ready")
+    assert ok.status is Status.OK and ok.what == "the CUDA driver initializes"
+    assert ok.evidence == ("cuInit: CUDA_SUCCESS (0: no error), 2 device(s)",)
+
+
+def test_the_driver_is_asked_once_with_the_host_and_not_without_one() -> None:
+    asked: list[tuple[str | None, str]] = []
+
+    def record(env: Mapping[str, str], host: HostSnapshot) -> CudaDriverInfo | None:
+        asked.append((env.get("CUDA_VISIBLE_DEVICES"), host.hostname))
+        return DRIVER_OK
+
+    doctor(read_host=nvml("doctor_idle"), query_cuda_driver=record,
+           env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert asked == [("1", "box-i")]
+    report = doctor(read_host=no_nvml, query_cuda_driver=record)
+    assert len(asked) == 1 and report.by_id("cuda_system_ready").status is Status.SKIP

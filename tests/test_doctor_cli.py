@@ -28,7 +28,7 @@ FAILURE_CODES = {
     "CUDA_DRIVER_TOO_OLD", "CUDA_INVALID_ORDINAL", "NCCL_DUPLICATE_GPU", "NCCL_SHM",
     "NCCL_NO_INTERFACE", "NCCL_WATCHDOG_TIMEOUT", "DATALOADER_SHM", "DATALOADER_WORKER_KILLED",
     "RDZV_PORT_IN_USE", "RDZV_DNS", "RDZV_CONNECT_TIMEOUT", "RDZV_CONN_REFUSED",
-    "RDZV_WORKERS_MISSING",
+    "RDZV_WORKERS_MISSING", "CUDA_SYSTEM_NOT_READY",
 }
 RANK = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
 # A doctor run, interpreter start included, answers within this on a loaded 2-core machine: its
@@ -85,11 +85,14 @@ def test_doctor_json_on_this_machine_is_valid_and_fast() -> None:
         assert checks["driver"]["status"] == "warn"
         assert checks["compute_mode"]["status"] == "skip"
         assert checks["torch_cuda_build"]["status"] == "skip"
+        assert checks["cuda_system_ready"]["status"] == "skip"
     else:
         # A GPU host (the gpu test run): the driver is found and its GPUs are judged.
         assert checks["driver"]["status"] == "ok"
         assert checks["compute_mode"]["status"] in ("ok", "warn")
         assert checks["torch_cuda_build"]["status"] in ("ok", "warn", "fail")
+        # The driver itself was asked (cuInit in a subprocess), whatever it answered.
+        assert any(e.startswith("cuInit") for e in checks["cuda_system_ready"]["evidence"])
 
 
 def test_doctor_on_the_example_scenario() -> None:
@@ -154,9 +157,12 @@ def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str
 
 
 def test_doctor_never_imports_torch_or_cuda_in_its_own_process() -> None:
+    # Nor the CUDA driver: libcuda is only ever loaded by the driver probe's own interpreter.
     code = ("import sys\nfrom gpuwarden.cli import main\n"
             "rc = main(['doctor', '--json'])\n"
-            "print('TORCH' if 'torch' in sys.modules else 'CLEAN', file=sys.stderr)")
+            "maps = open('/proc/self/maps').read()\n"
+            "dirty = 'torch' in sys.modules or 'libcuda' in maps\n"
+            "print('DIRTY' if dirty else 'CLEAN', file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.stderr.strip().splitlines()[-1] == "CLEAN"
 
@@ -200,3 +206,103 @@ def test_torch_probe_runs_in_the_environment_it_is_given(tmp_path: Path) -> None
     echo.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "GPU-from-options"}
     assert query_torch(env, python=str(echo)).version == "GPU-from-options"
+
+
+# --- the CUDA driver's answer: libcuda's cuInit in a fresh interpreter ------------------------
+
+# A libcuda.so.1 of our own: cuInit answers what FAKE_CUINIT says (802: system not yet
+# initialized), or NO_DEVICE when CUDA_VISIBLE_DEVICES reaches it.
+_FAKE_LIBCUDA = r"""
+#include <stdlib.h>
+static const char *names[][3] = {
+    {"0", "CUDA_SUCCESS", "no error"},
+    {"100", "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {"802", "CUDA_ERROR_SYSTEM_NOT_READY", "system not yet initialized"},
+};
+static int find(int e) {
+    for (int i = 0; i < 3; i++) if (atoi(names[i][0]) == e) return i;
+    return -1;
+}
+int cuInit(unsigned int flags) {
+    if (getenv("CUDA_VISIBLE_DEVICES")) return 100;
+    const char *v = getenv("FAKE_CUINIT");
+    return v ? atoi(v) : 0;
+}
+int cuGetErrorName(int e, const char **s) { int i = find(e); if (i < 0) return 1; *s = names[i][1]; return 0; }
+int cuGetErrorString(int e, const char **s) { int i = find(e); if (i < 0) return 1; *s = names[i][2]; return 0; }
+int cuDeviceGetCount(int *n) { *n = 8; return 0; }
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in libcuda.so.1")
+    where = tmp_path_factory.mktemp("libcuda")
+    (where / "cuda.c").write_text(_FAKE_LIBCUDA)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(where / "libcuda.so.1"),
+                    str(where / "cuda.c")], check=True, timeout=60)
+    return where
+
+
+def _nvml_host() -> Any:
+    from dataclasses import replace
+
+    from gpuwarden.inventory.simulated import SimulatedBackend
+
+    return replace(SimulatedBackend(SCENARIOS / "doctor_idle.json").read_host(), source="nvml")
+
+
+@pytest.mark.parametrize(("answer", "name", "message", "count"), [
+    ("802", "CUDA_ERROR_SYSTEM_NOT_READY", "system not yet initialized", None),
+    ("0", "CUDA_SUCCESS", "no error", 8),
+])
+def test_the_driver_probe_reports_what_cuinit_answers(fake_libcuda: Path, answer: str, name: str,
+                                                      message: str, count: int | None) -> None:
+    from gpuwarden.doctor.probes import query_cuda_driver
+
+    # CUDA_VISIBLE_DEVICES is left out: readiness is the host's, and "" would answer NO_DEVICE.
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "FAKE_CUINIT": answer, "CUDA_VISIBLE_DEVICES": ""}
+    info = query_cuda_driver(env, _nvml_host())
+    assert info is not None and info.error is None
+    assert (info.result, info.name, info.message, info.device_count) == \
+        (int(answer), name, message, count)
+    assert info.not_ready is (answer == "802")
+
+
+def test_the_driver_probe_without_libcuda_or_gpus_or_for_a_scenario(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from gpuwarden.doctor.probes import query_cuda_driver
+
+    host = _nvml_host()
+    python = tmp_path / "python"  # an interpreter whose libcuda cannot be loaded
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json; print(json.dumps("
+                      "{\"error\": \"libcuda.so.1 cannot be loaded: not found\"}))'\n")
+    python.chmod(0o755)
+    info = query_cuda_driver({}, host, python=str(python))
+    assert info is not None and info.error == "libcuda.so.1 cannot be loaded: not found"
+    assert info.describe() == "cuInit could not be asked: libcuda.so.1 cannot be loaded: not found"
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\necho 'Segmentation fault' >&2; exit 139\n")
+    broken.chmod(0o755)
+    info = query_cuda_driver({}, host, python=str(broken))
+    assert info is not None and info.error == "the driver probe exited 139: Segmentation fault"
+    assert query_cuda_driver({}, replace(host, gpus=())) is None  # no GPU: nothing to ask
+    scenario = replace(host, source="simulated:x", cuda_init="CUDA_ERROR_SYSTEM_NOT_READY")
+    stated = query_cuda_driver({}, scenario, python=str(broken))  # never runs a probe
+    assert stated is not None and stated.not_ready and stated.source == "scenario"
+
+
+def test_doctor_on_the_shipped_fabric_down_host_names_the_fabric_manager() -> None:
+    rc, out, wall = run_cli("--json", "--simulate", "fabric-down")
+    checks = validate(json.loads(out), rc)
+    ready = checks["cuda_system_ready"]
+    assert rc == 1 and (ready["status"], ready["code"]) == ("fail", "CUDA_SYSTEM_NOT_READY")
+    assert "the NVLink fabric of GPUs 0-7 is not ready (in_progress)" in ready["what"]
+    assert "cuInit with CUDA_ERROR_SYSTEM_NOT_READY" in ready["what"]
+    assert "systemctl start nvidia-fabricmanager" in ready["fix"]
+    assert wall < ANSWER_S

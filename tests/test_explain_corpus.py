@@ -9,7 +9,8 @@ The accuracy table is printed (pytest -s, or on failure).
 
 These logs were used while writing the signatures; the held-back splits
 (tests/explain_heldout/, tests/explain_heldout_v3/, tests/explain_heldout_v3b/,
-tests/explain_heldout_v3c/, measured by benchmarks/explain_heldout.py) were not. Only their metadata is checked here: each case's
+tests/explain_heldout_v3c/, tests/explain_heldout_v4/, tests/explain_heldout_v4b/, measured by benchmarks/explain_heldout.py)
+were not. Only their metadata is checked here: each case's
 log, code, public source, and (v3) the forms it reached us in.
 
 The v3 cases of this corpus also carry ``form`` (how the log reached us: "plain", or the hard
@@ -53,9 +54,13 @@ def test_every_case_has_a_log_an_expected_code_and_a_public_source() -> None:
 
 
 HELD_BACK = [Path(__file__).parent / d for d in
-             ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b", "explain_heldout_v3c")]
+             ("explain_heldout", "explain_heldout_v3", "explain_heldout_v3b", "explain_heldout_v3c",
+              "explain_heldout_v4", "explain_heldout_v4b")]
+# v4 adds "quoted" (a markdown quote, quotes or backticks around the pasted text), "flattened"
+# (a multi-line message run into one line) and "family" (the root cause sits beside a generic
+# echo of the same family: NCCL's summary, a launcher's report, a watchdog)
 FORMS = {"plain", "prefix", "wrapped", "interleaved", "truncated", "windows", "localized", "ansi",
-         "rich", "mangled", "json"}
+         "rich", "mangled", "json", "quoted", "flattened", "family"}
 
 
 def test_every_held_back_case_has_a_log_a_known_code_a_source_and_its_forms() -> None:

@@ -97,14 +97,17 @@ def test_shm_bus_error_beats_the_generic_worker_exit_and_plain_killed_does_not()
     assert "worker pid 77 was killed by signal Killed" in killed.primary.details
 
 
-def test_nccl_unhandled_system_error_alone_is_not_called_nccl_shm() -> None:
+def test_nccl_unhandled_system_error_alone_is_ncclsystemerror_and_never_nccl_shm() -> None:
     bare = "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:410, unhandled system error\n"
-    assert explain_text(bare).primary.code == "NONE"
+    assert explain_text(bare).primary.code == "NCCL_SYSTEM_ERROR"
     with_cause = ("node:1:2 [0] include/shm.h:48 NCCL WARN Error while creating shared memory "
                   "segment nccl-shm-recv-b79-0-3-0 (size 4460544)\n" + bare)
     diag = explain_text(with_cause)
     assert diag.primary.code == "NCCL_SHM"
     assert [e.line for e in diag.primary.evidence] == [1, 2]  # the summary joins as evidence
+    # the generic summary is the specific cause's echo, even when it comes first
+    assert [(f.code, f.echo) for f in explain_text(bare + with_cause).others] == [
+        ("NCCL_SYSTEM_ERROR", True)]
 
 
 def test_words_shared_with_other_programs_need_a_torch_distributed_context() -> None:
@@ -268,6 +271,8 @@ def test_shipped_knowledge_base_has_every_code_of_failure_codes_md() -> None:
         # v3
         "COLLECTIVE_MISMATCH", "NCCL_REMOTE_ERROR", "RDZV_STORE_LOST", "RANK_NATIVE_CRASH",
         "CUDA_NO_KERNEL_IMAGE", "CUDA_DEVICE_ASSERT",
+        # v4
+        "CUDA_SYSTEM_NOT_READY", "NCCL_SYSTEM_ERROR", "GLOO_PEER_LOST",
     }
 
 

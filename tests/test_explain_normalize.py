@@ -99,6 +99,15 @@ FORMS = [
     ("           ERROR    failed (exitcode: 1) local_rank: 1 (pid: 361009) of binary: "
      "/opt/conda/bin/python   api.py:699",
      "failed (exitcode: 1) local_rank: 1 (pid: 361009) of binary: /opt/conda/bin/python", None),
+    # v4: a pasted line kept as a comment, then the rank prefix under it
+    ("#   exitcode  : -9 (pid: 31337)", "exitcode  : -9 (pid: 31337)", None),
+    ("# [rank1]: RuntimeError: CUDA error: out of memory",
+     "[rank1]: RuntimeError: CUDA error: out of memory", 1),
+    # a quote or a stray backtick opening the paste (CGCL-codes/pFedSD/issues/3,
+    # ollama/ollama/issues/9031)
+    ('"Process Process-4:', "Process Process-4:", None),
+    ("`11T03:16:37.327Z level=DEBUG source=gpu.go:592 msg=\"cudart init failure: 802\"",
+     "11T03:16:37.327Z level=DEBUG source=gpu.go:592 msg=\"cudart init failure: 802\"", None),
 ]
 
 
@@ -115,7 +124,9 @@ def test_a_line_without_any_form_comes_back_as_it_is() -> None:
                  "torch._C._distributed_c10d.DistNetworkError: Broken pipe",
                  "E0909 14:03:50.013000 225 torch/distributed/elastic/multiprocessing/api.py:833] "
                  "failed (exitcode: -11)",
-                 "Assertion `srcIndex < srcSelectDimSize` failed."):
+                 "Assertion `srcIndex < srcSelectDimSize` failed.",
+                 # a debugger's frame number is no comment marker
+                 "#1  0x00007fffe9076f17 in call_init (env=0x7fffffffde78) at dl-init.c:72"):
         assert normalize(line) == [(line, None)], line
 
 

@@ -111,8 +111,10 @@ def test_a_native_crash_is_the_segfault_and_an_abort_yields_to_the_error_it_abor
     # mp.spawn's report of a signal (yzhang-0/MPSENet/issues/7)
     assert code("torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with "
                 "signal SIGSEGV\n") == "RANK_NATIVE_CRASH"
-    # a single script's segmentation fault is no multi-process failure
-    assert code("Segmentation fault (core dumped)\n") == NONE_CODE
+    # failure-codes v4: a single script dying by its own native signal gets the code too; the
+    # kernel's SIGKILL of one script (no launcher: no rank) stays unknown
+    assert code("Segmentation fault (core dumped)\n") == "RANK_NATIVE_CRASH"
+    assert code("Process finished with exit code 137 (interrupted by signal 9: SIGKILL)\n") == NONE_CODE
 
 
 def test_a_gpu_without_kernels_and_the_cpu_only_build_each_say_their_own_fix() -> None:

@@ -374,6 +374,41 @@ def test_health_on_old_drivers_and_boards_without_sensors() -> None:
     assert "nvmlDeviceGetCurrentClocksThrottleReasons" in driver.calls
 
 
+def test_the_nvlink_fabric_state_is_read_through_the_callers_struct() -> None:
+    # An HGX H100 whose Fabric Manager is down (in progress), one that never started, one
+    # registered, one whose registration failed, and a GPU outside any fabric.
+    driver = FakeDriver([
+        gpu(0, health=FakeHealth(fabric_state=pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS)),
+        gpu(1, health=FakeHealth(fabric_state=pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED)),
+        gpu(2, health=FakeHealth(fabric_state=pynvml.NVML_GPU_FABRIC_STATE_COMPLETED)),
+        gpu(3, health=FakeHealth(fabric_state=pynvml.NVML_GPU_FABRIC_STATE_COMPLETED,
+                                 fabric_status=pynvml.NVML_ERROR_TIMEOUT)),
+        gpu(4),
+    ])
+    hs = [g.health for g in read(driver).gpus]
+    assert [(h.fabric_state, h.fabric_ready) for h in hs] == [
+        ("in_progress", False), ("not_started", False), ("completed", True),
+        ("completed", False), (None, None)]
+    assert hs[3].fabric_error is not None and hs[3].fabric_error.startswith("NVML: ")
+    assert (hs[0].fabric_error, hs[2].fabric_error, hs[4].fabric_error) == (None, None, None)
+    assert hs[0].problems() == ("NVLink fabric in_progress: CUDA will not start (Fabric Manager)",)
+    assert hs[3].problems()[0].startswith("NVLink fabric registration failed: NVML: ")
+    assert hs[2].problems() == hs[4].problems() == ()
+    assert driver.calls.count("nvmlDeviceGetGpuFabricInfo") == 5
+
+
+def test_bindings_without_the_fabric_struct_or_function_leave_the_state_unknown() -> None:
+    in_progress = FakeHealth(fabric_state=pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS)
+    for absent in ({"c_nvmlGpuFabricInfo_t"}, {"nvmlDeviceGetGpuFabricInfo"}):
+        driver = FakeDriver([gpu(0, health=in_progress)], absent=absent)
+        g = read(driver).gpus[0]
+        assert g.error is None and g.health.fabric_state is None, absent
+        assert "nvmlDeviceGetGpuFabricInfo" not in driver.calls
+    # A driver older than the symbol (525): FUNCTION_NOT_FOUND is "unknown" too.
+    driver = FakeDriver([gpu(0, health=in_progress)], missing={"nvmlDeviceGetGpuFabricInfo"})
+    assert read(driver).gpus[0].health.fabric_state is None
+
+
 def test_a_gpu_lost_while_its_health_is_read_is_lost() -> None:
     driver = FakeDriver([gpu(0, lost_at="health"), gpu(1)])
     host = read(driver)

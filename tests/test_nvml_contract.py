@@ -141,3 +141,36 @@ def test_health_readings_of_a_real_gpu_agree_with_nvml(capsys, monkeypatch) -> N
     print(out)  # shown with -s in the GPU verification run
     assert main(["ls", "-l"]) == 0
     print(capsys.readouterr().out)
+
+
+def test_fabric_state_and_the_drivers_answer_on_a_real_gpu() -> None:
+    import ctypes
+
+    import pynvml
+
+    from gpuwarden.doctor.probes import query_cuda_driver
+    from gpuwarden.inventory.snapshot import FABRIC_STATES
+
+    host = NvmlBackend().read_host()
+    pynvml.nvmlInit()
+    try:
+        for gpu in host.gpus:
+            if gpu.error is not None:
+                continue
+            info = pynvml.c_nvmlGpuFabricInfo_t()
+            try:
+                pynvml.nvmlDeviceGetGpuFabricInfo(pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid),
+                                                  ctypes.byref(info))
+                state = int(info.state)
+            except pynvml.NVMLError:
+                state = 0  # not supported: no fabric (PCIe boards, Ampere)
+            expected = FABRIC_STATES[state - 1] if state else None
+            assert gpu.health.fabric_state == expected, (gpu.label, state)
+            print(gpu.label, gpu.name, "fabric:", gpu.health.fabric_state, gpu.health.fabric_error)
+    finally:
+        pynvml.nvmlShutdown()
+    # The driver's own answer, from a subprocess: a GPU that runs this test suite initializes.
+    answer = query_cuda_driver(dict(os.environ), host)
+    assert answer is not None and answer.error is None, answer
+    assert answer.name == "CUDA_SUCCESS" and answer.device_count, answer
+    print(answer.describe())

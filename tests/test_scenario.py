@@ -41,6 +41,12 @@ def test_env_variable_selects_the_simulated_backend(scenario) -> None:
         (lambda d: d["gpus"][1].__setitem__("index", 0), "two GPUs have index 0"),
         (lambda d: d["gpus"][1].__setitem__("memory_used_mib", 90000), "gpus[1].memory_used_mib is larger"),
         (lambda d: d["gpus"][1].__setitem__("memory_used_mib", -5), "gpus[1].memory_used_mib: must not be negative"),
+        (lambda d: d["gpus"][0].__setitem__("health", {"fabric_state": "down"}),
+         "gpus[0].health.fabric_state: 'down' is not a fabric state"),
+        (lambda d: d["gpus"][0].__setitem__("health", {"fabric_state": "in_progress",
+                                                        "fabric_error": "NVML: Timeout"}),
+         "gpus[0].health.fabric_error: only a completed registration has a result"),
+        (lambda d: d.__setitem__("cuda_init", "802"), "scenario.cuda_init: '802' is not a CUDA driver result"),
     ],
 )
 def test_invalid_field_is_named(mutate, message: str) -> None:
@@ -89,3 +95,18 @@ def test_a_scenario_can_hold_a_lost_gpu_and_graphics_processes(tmp_path: Path) -
     path.write_text(json.dumps(data))
     with pytest.raises(ScenarioError, match=r"gpus\[0\].processes\[1\].context: 'video' is not"):
         SimulatedBackend(path).read_host()
+
+
+def test_a_scenario_states_the_fabric_and_the_drivers_cuda_answer() -> None:
+    data = example()
+    data["cuda_init"] = "CUDA_ERROR_SYSTEM_NOT_READY"
+    data["gpus"][0]["health"] = {"fabric_state": "in_progress"}
+    data["gpus"][1]["health"] = {"fabric_state": "completed", "fabric_error": "NVML: Timeout"}
+    data["gpus"][2]["health"] = {"fabric_state": "completed"}
+    host = parse_scenario(data)
+    assert host.cuda_init == "CUDA_ERROR_SYSTEM_NOT_READY"
+    assert [(g.health.fabric_state, g.health.fabric_error, g.health.fabric_ready)
+            for g in host.gpus] == [("in_progress", None, False),
+                                    ("completed", "NVML: Timeout", False),
+                                    ("completed", None, True), (None, None, None)]
+    assert parse_scenario(example()).cuda_init is None  # not stated: unknown

@@ -222,8 +222,10 @@ def test_wheelhouse_environment_runs_the_checkout_with_the_wheels_and_nothing_fe
                           capture_output=True, text=True, check=True)
     assert done.stdout.split() == [str(ROOT / "src" / "gpuwarden" / "__init__.py"), "42"]
     bin_dir = Path(python).parent
+    clean = {k: v for k, v in os.environ.items()  # the machine's GPU view, not a test's
+             if k not in ("CUDA_VISIBLE_DEVICES", "GPUWARDEN_SIMULATE") and not k.startswith("SLURM_")}
     listing = subprocess.run([str(bin_dir / "gpuwarden"), "ls", "--simulate", "two-idle"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env=clean)
     assert listing.returncode == 0 and "2 GPU(s)" in listing.stdout, listing.stderr
     # A spawn child imports the main script as __mp_main__: the shim must then do nothing.
     child = subprocess.run([python, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], "

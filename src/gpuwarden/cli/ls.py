@@ -450,6 +450,8 @@ def _long_gpu(view: View, g: GPUSnapshot, label: str) -> list[str]:
                    f"pending a reset: {pending}")
         links = "none (or unknown)" if h.nvlinks_total is None else \
             f"{h.nvlinks_active} of {h.nvlinks_total} links up"
+        if h.fabric_state is not None:
+            links += f"; fabric {h.fabric_state}" + (f" ({h.fabric_error})" if h.fabric_error else "")
         out.append(f"  NVLink     {links}")
         for problem in h.problems():
             out.append(f"  !          {problem}")

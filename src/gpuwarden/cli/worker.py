@@ -78,7 +78,25 @@ def _gpus(text: str) -> int | str:
         raise UsageError(f"--gpus {text!r}: expected a count or 'all'", fix="--gpus 2") from None
 
 
+# Variables `gpuwarden worker` sets in its own process for the processes it starts; given back
+# when it returns, so that main(["worker", ...]) embedded in a program (or a test) leaves the
+# program's environment as it was (the suite found CUDA_VISIBLE_DEVICES='' left behind).
+_OWN_ENV = ("CUDA_VISIBLE_DEVICES", "DASK_LOGGING__DISTRIBUTED")
+
+
 def run(args: argparse.Namespace) -> int:
+    saved = {key: os.environ.get(key) for key in _OWN_ENV}
+    try:
+        return _run(args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         import distributed  # noqa: F401
     except ImportError as exc:

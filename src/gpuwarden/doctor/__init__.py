@@ -33,7 +33,8 @@ def evaluate(facts: Facts, opts: Options) -> list[Check]:
     if opts.nproc is not None and local_gpus:
         local_gpus = min(local_gpus, opts.nproc)
     return [
-        *gpu_checks(facts.host, facts.host_error, facts.torch, facts.env, opts.nproc, vis),
+        *gpu_checks(facts.host, facts.host_error, facts.torch, facts.env, opts.nproc, vis,
+                    facts.cuda_driver),
         *host_checks(facts.shm, facts.nofile, facts.env, facts.torch, local_gpus),
         *net_checks(facts.hostname, facts.hostname_resolution, facts.rendezvous,
                     facts.interfaces, facts.env, opts.nnodes),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gpuwarden.doctor.model import Check, Status, check
-from gpuwarden.doctor.probes import TorchInfo
+from gpuwarden.doctor.probes import CudaDriverInfo, TorchInfo
 from gpuwarden.errors import GpuwardenError, VisibilityError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot, HostSnapshot
 from gpuwarden.select import Constraints, Refusal, select
@@ -75,8 +75,8 @@ def _version(text: str | None) -> tuple[int, int] | None:
         return None
 
 
-def _driver_too_old(warnings: Sequence[str]) -> list[str]:
-    """The runtime warnings that explain's knowledge base calls CUDA_DRIVER_TOO_OLD.
+def _warnings_of(warnings: Sequence[str], code: str) -> list[str]:
+    """The runtime warnings that explain's knowledge base calls *code*.
 
     One vocabulary for both: the texts are knowledge.toml's signatures, not a second list.
     Imported here, when there are warnings at all (loading the KB takes a few ms).
@@ -85,7 +85,7 @@ def _driver_too_old(warnings: Sequence[str]) -> list[str]:
         return []
     from gpuwarden.explain import explain_text
 
-    return [w for w in warnings if explain_text(w).primary.code == "CUDA_DRIVER_TOO_OLD"]
+    return [w for w in warnings if explain_text(w).primary.code == code]
 
 
 def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
@@ -106,7 +106,7 @@ def check_torch_build(host: HostSnapshot | None, torch: TorchInfo) -> Check:
     if not torch.cuda_compiled:
         return check(cid, code, SKIP, f"torch {torch.version} is a CPU-only build: no CUDA runtime "
                      "to match against the driver", evidence=evidence)
-    too_old = _driver_too_old(torch.runtime_warnings)
+    too_old = _warnings_of(torch.runtime_warnings, "CUDA_DRIVER_TOO_OLD")
     fix = (f"install a newer NVIDIA driver, or a torch wheel built for CUDA "
            f"{host.cuda_driver_version if host and host.cuda_driver_version else 'your driver supports'}"
            " or older (the cuXXX in the wheel's index URL)")
@@ -289,15 +289,92 @@ def check_nproc(gpus: Sequence[GPUSnapshot] | None, nproc: int | None) -> Check:
                  evidence=evidence)
 
 
+def _gpu_list(gpus: Sequence[GPUSnapshot]) -> str:
+    """'GPUs 0-7', 'GPU 3', 'GPUs 0, 2, 5'."""
+    ids = [g.index for g in gpus]
+    if len(ids) == 1:
+        return f"GPU {ids[0]}"
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"GPUs {ids[0]}-{ids[-1]}"
+    return "GPUs " + ", ".join(map(str, ids))
+
+
+def check_cuda_system_ready(host: HostSnapshot | None, driver: CudaDriverInfo | None,
+                            torch: TorchInfo) -> Check:
+    """Whether CUDA may start on this host at all (CUDA_SYSTEM_NOT_READY).
+
+    Three witnesses, none of which creates a CUDA context here: NVML's fabric state of each
+    GPU (NVSwitch systems of Hopper and later; the scenario's ``fabric_state``), the driver's
+    answer to cuInit in a subprocess (every NVSwitch generation; the scenario's
+    ``cuda_init``), and the warning torch's runtime gave in its own subprocess.
+    """
+    cid, code = "cuda_system_ready", "CUDA_SYSTEM_NOT_READY"
+    if host is None or not host.gpus:
+        return check(cid, code, SKIP, "no GPU on this host")
+    gpus = [g for g in host.gpus if g.error is None]
+    fabric = [g for g in gpus if g.health.fabric_state is not None]
+    stuck = [g for g in fabric if g.health.fabric_ready is False]
+    evidence = [f"{g.label}: NVLink fabric {g.health.fabric_state}"
+                + (f", {g.health.fabric_error}" if g.health.fabric_error else "") for g in fabric]
+    if driver is not None:
+        evidence.append(driver.describe())
+    said = (_warnings_of(torch.runtime_warnings, code) if _is_nvml(host) else [])
+    evidence.extend(f"torch's runtime (subprocess): {w}" for w in said)
+    driver_not_ready = driver is not None and driver.not_ready
+    if stuck or driver_not_ready or said:
+        reasons = []
+        if stuck:
+            states = sorted({g.health.fabric_state or "" for g in stuck})
+            reasons.append(f"the NVLink fabric of {_gpu_list(stuck)} is not ready "
+                           f"({', '.join(states)}"
+                           + (", registration failed" if any(g.health.fabric_error for g in stuck)
+                              else "") + ")")
+        if driver_not_ready:
+            reasons.append("the driver answers cuInit with CUDA_ERROR_SYSTEM_NOT_READY (802: "
+                           "system not yet initialized)")
+        elif said:
+            reasons.append("torch's CUDA runtime says 'system not yet initialized' (802)")
+        version = host.driver_version or "the driver's"
+        return check(
+            cid, code, FAIL, "CUDA cannot start on this host: " + "; ".join(reasons),
+            why="the driver is loaded but the system is not ready for CUDA work: on an NVSwitch "
+            "system (HGX/DGX A100, H100, H200) the NVIDIA Fabric Manager must register every GPU "
+            "in the NVLink fabric first; its service is not running, failed to start, or its "
+            "version differs from the driver's. Until then every process on the host fails "
+            "('system not yet initialized', torch.cuda.is_available() False); a few seconds "
+            "'in_progress' right after boot are normal",
+            fix=f"an admin: `systemctl status nvidia-fabricmanager`, then `systemctl start "
+            f"nvidia-fabricmanager`, with the fabricmanager package of exactly driver version "
+            f"{version}; `nvidia-smi -q` shows the fabric state; no change to the job helps",
+            evidence=evidence)
+    if driver is not None and driver.name == "CUDA_SUCCESS":
+        return check(cid, code, OK, "the CUDA driver initializes"
+                     + (f"; the NVLink fabric is registered on {_gpu_list(fabric)}"
+                        if fabric else ""), evidence=evidence)
+    if fabric:
+        return check(cid, code, OK, f"the NVLink fabric is registered on {_gpu_list(fabric)}",
+                     evidence=evidence)
+    if driver is not None and driver.error is None and driver.name is not None:
+        # Another failure (no device, a driver/runtime mismatch ...) is other checks' to name.
+        return check(cid, code, OK, f"the system is ready: cuInit answers {driver.name}, not "
+                     "CUDA_ERROR_SYSTEM_NOT_READY", evidence=evidence)
+    return check(cid, code, SKIP, "nothing says whether CUDA may start: no NVLink fabric state "
+                 "and no answer from the CUDA driver", evidence=evidence)
+
+
 def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, torch: TorchInfo,
                env: Mapping[str, str], nproc: int | None,
-               vis: Visibility | VisibilityError | None) -> list[Check]:
-    """The GPU checks; *vis* is :func:`visibility_of` the host (None without one)."""
+               vis: Visibility | VisibilityError | None,
+               driver: CudaDriverInfo | None = None) -> list[Check]:
+    """The GPU checks; *vis* is :func:`visibility_of` the host (None without one), *driver*
+    the CUDA driver's answer to cuInit (None when nobody asked it)."""
     gpus = _visible(vis)
+    ready = check_cuda_system_ready(host, driver, torch)
     return [
         check_driver(host, host_error, torch),
+        ready,
         check_torch_build(host, torch),
-        check_cuda_runtime(host, vis, torch),
+        check_cuda_runtime(host, vis, torch, not_ready=ready.status is FAIL),
         check_visible(host, vis, env),
         check_compute_mode(gpus),
         check_processes(gpus),
@@ -307,8 +384,11 @@ def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, tor
 
 
 def check_cuda_runtime(host: HostSnapshot | None, vis: Visibility | VisibilityError | None,
-                       torch: TorchInfo) -> Check:
-    """Whether torch's CUDA runtime sees the GPUs NVML sees (in a subprocess, never here)."""
+                       torch: TorchInfo, *, not_ready: bool = False) -> Check:
+    """Whether torch's CUDA runtime sees the GPUs NVML sees (in a subprocess, never here).
+
+    *not_ready*: cuda_system_ready failed, which already names why the runtime sees nothing.
+    """
     cid, code = "cuda_runtime", "CUDA_NO_DEVICE"
     if not torch.installed:
         return check(cid, code, SKIP, "torch is not installed")
@@ -329,6 +409,9 @@ def check_cuda_runtime(host: HostSnapshot | None, vis: Visibility | VisibilityEr
     seen = torch.runtime_device_count or 0
     want = len(vis.gpus) if vis is not None else len(host.gpus)
     evidence = [f"cudaGetDeviceCount: {torch.runtime_device_count}", *torch.runtime_warnings]
+    if seen == 0 and want > 0 and not_ready:
+        return check(cid, code, SKIP, "CUDA cannot start on this host yet: see "
+                     "cuda_system_ready", evidence=evidence)
     if seen == 0 and want > 0:
         return check(cid, code, FAIL, f"NVML sees {_gpu_word(want)} but torch's CUDA runtime "
                      "sees none", why=(torch.runtime_warnings or [torch.error or "unknown"])[0],

@@ -29,6 +29,7 @@ from gpuwarden.inventory.snapshot import HostSnapshot
 
 TORCH_TIMEOUT_S = 20.0
 NET_TIMEOUT_S = 3.0
+CUDA_DRIVER_TIMEOUT_S = 15.0
 
 # Run in a fresh interpreter: the doctor's own process must never load CUDA. With
 # PYTORCH_NVML_BASED_CUDA_CHECK=1 torch's availability check goes through NVML; the
@@ -159,6 +160,122 @@ def query_torch(env: Mapping[str, str] | None = None, timeout_s: float = TORCH_T
     )
 
 
+# The CUDA driver's own answer, in a fresh interpreter: cuInit(0) initializes the driver and
+# creates no context (that takes cuCtxCreate or a runtime call on a device); the stdlib's ctypes
+# is all it needs, so it answers where torch is missing or a CPU build. Only JSON on stdout.
+_CUDA_DRIVER_PROBE = r"""
+import ctypes, json, sys
+out = {}
+lib = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+try:
+    cuda = ctypes.CDLL(lib)
+except OSError as exc:
+    out["error"] = f"{lib} cannot be loaded: {exc}"
+else:
+    rc = int(cuda.cuInit(0))
+    out["result"] = rc
+    for key, fn in (("name", "cuGetErrorName"), ("message", "cuGetErrorString")):
+        text = ctypes.c_char_p()
+        if getattr(cuda, fn)(rc, ctypes.byref(text)) == 0 and text.value:
+            out[key] = text.value.decode("utf-8", "replace")
+    number = ctypes.c_int(0)
+    if rc == 0 and cuda.cuDeviceGetCount(ctypes.byref(number)) == 0:
+        out["device_count"] = number.value
+print(json.dumps(out))
+"""
+
+# CUresult names and numbers the doctor acts on (cuda.h).
+CUDA_SUCCESS = "CUDA_SUCCESS"
+CUDA_ERROR_SYSTEM_NOT_READY = "CUDA_ERROR_SYSTEM_NOT_READY"
+CUDA_ERROR_SYSTEM_NOT_READY_NUMBER = 802
+
+
+@dataclass(frozen=True)
+class CudaDriverInfo:
+    """What the CUDA driver answers to ``cuInit(0)``, asked in a fresh interpreter.
+
+    ``source`` is "driver" (libcuda, in a subprocess) or "scenario" (a simulated host's
+    ``cuda_init``: only the name is known). ``error``: why the driver could not be asked
+    (no libcuda in this container, a timeout); the other fields are then None.
+    """
+
+    result: int | None = None  # the CUresult number
+    name: str | None = None  # cuGetErrorName: "CUDA_SUCCESS", "CUDA_ERROR_SYSTEM_NOT_READY"
+    message: str | None = None  # cuGetErrorString: "system not yet initialized"
+    device_count: int | None = None  # cuDeviceGetCount after a successful cuInit
+    error: str | None = None
+    source: str = "driver"
+    elapsed_s: float = 0.0
+
+    @property
+    def not_ready(self) -> bool:
+        return (self.name == CUDA_ERROR_SYSTEM_NOT_READY
+                or self.result == CUDA_ERROR_SYSTEM_NOT_READY_NUMBER)
+
+    def describe(self) -> str:
+        """'cuInit: CUDA_ERROR_SYSTEM_NOT_READY (802: system not yet initialized)'."""
+        if self.error is not None:
+            return f"cuInit could not be asked: {self.error}"
+        number = "" if self.result is None else f"{self.result}"
+        detail = ": ".join(x for x in (number, self.message or "") if x)
+        shown = self.name or "?"
+        where = " (as the scenario states)" if self.source == "scenario" else ""
+        count = "" if self.device_count is None else f", {self.device_count} device(s)"
+        return f"cuInit: {shown}" + (f" ({detail})" if detail else "") + count + where
+
+
+def query_cuda_driver(env: Mapping[str, str], host: HostSnapshot,
+                      timeout_s: float = CUDA_DRIVER_TIMEOUT_S,
+                      python: str = sys.executable) -> CudaDriverInfo | None:
+    """The CUDA driver's answer to initialization on this host; never raises.
+
+    A simulated host answers with its scenario's ``cuda_init`` (None when it states none);
+    a host NVML reads, with GPUs, is asked through libcuda's ``cuInit`` in a subprocess,
+    with CUDA_VISIBLE_DEVICES left out (whether the system is ready is a question about the
+    host, and a variable that hides every GPU would answer NO_DEVICE instead). None when
+    there is nothing to ask (no GPU).
+    """
+    if host.source != "nvml":
+        return (None if host.cuda_init is None
+                else CudaDriverInfo(name=host.cuda_init, source="scenario"))
+    if not host.gpus:
+        return None
+    child_env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([python, "-I", "-S", "-c", _CUDA_DRIVER_PROBE], env=child_env,
+                              capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return CudaDriverInfo(error=f"cuInit did not return within {timeout_s:g} s",
+                              elapsed_s=time.monotonic() - start)
+    except OSError as exc:
+        return CudaDriverInfo(error=f"cannot run {python}: {exc}")
+    elapsed = time.monotonic() - start
+    try:
+        data: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if not isinstance(data, dict):
+            raise ValueError(data)
+    except (IndexError, ValueError):
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return CudaDriverInfo(error=f"the driver probe exited {proc.returncode}: {tail}",
+                              elapsed_s=elapsed)
+    result = data.get("result")
+    count = data.get("device_count")
+    return CudaDriverInfo(
+        result=result if isinstance(result, int) else None,
+        name=_str_or_none(data.get("name")),
+        message=_str_or_none(data.get("message")),
+        device_count=count if isinstance(count, int) else None,
+        error=_str_or_none(data.get("error")),
+        elapsed_s=elapsed,
+    )
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 @dataclass(frozen=True)
 class ShmInfo:
     path: str
@@ -196,6 +313,8 @@ class Probes:
 
     read_host: Callable[[Mapping[str, str]], HostSnapshot] = _read_host
     query_torch: Callable[[Mapping[str, str]], TorchInfo] = query_torch
+    query_cuda_driver: Callable[[Mapping[str, str], HostSnapshot], CudaDriverInfo | None] = (
+        query_cuda_driver)
     resolve: Callable[[str], net.Resolution] = lambda host: net.resolve(host, timeout_s=NET_TIMEOUT_S)
     # (MASTER_ADDR as given, the addresses it resolved to, port): no second resolution
     connect_tcp: Callable[[str, tuple[str, ...], int], net.ProbeResult] = (
@@ -246,6 +365,8 @@ class Facts:
     hostname_resolution: net.Resolution
     interfaces: dict[str, tuple[str, ...]]
     rendezvous: RendezvousFacts
+    # cuInit's answer (None: no GPU host to ask, or a scenario that states none)
+    cuda_driver: CudaDriverInfo | None = None
 
 
 def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tuple[str, ...]]]
@@ -314,7 +435,12 @@ def gather(opts: Options, probes: Probes) -> Facts:
             host = host_f.result()
         except GpuwardenError as exc:
             host_error = exc
+        # Asked once the host is known (a simulated host answers from its scenario, a real
+        # one in a subprocess), still overlapping torch's import.
+        driver_f = (pool.submit(probes.query_cuda_driver, opts.env, host)
+                    if host is not None else None)
         return Facts(env=opts.env, host=host, host_error=host_error, torch=torch_f.result(),
                      shm=shm, nofile=nofile, hostname=hostname,
                      hostname_resolution=hostres_f.result(), interfaces=ifaces_f.result(),
-                     rendezvous=rdzv_f.result())
+                     rendezvous=rdzv_f.result(),
+                     cuda_driver=driver_f.result() if driver_f is not None else None)

@@ -59,6 +59,8 @@ FRAMES_KEPT = 256                # ranks whose last traceback frame is remembere
 REPLAN_BLOCKS = 16               # re-choose the prefilter's anchors this often (logs change)
 JOIN_LINES = 2                   # a wrapped message is looked for over this many more lines
 WRAP_SEARCH_BYTES = 256 << 10    # blocks this small are also searched across line breaks
+TAIL_BYTES = 8 << 10             # the end of the input kept for signatures that must end it
+FRAGMENT_CHARS = 40              # a last line this short, without spaces, was cut by a paste
 
 NONE_CODE = "NONE"
 
@@ -210,6 +212,7 @@ class _CodeState:
     ranks: dict[int, None] = field(default_factory=dict)
     fields: dict[str, Any] = field(default_factory=dict)
     values: dict[int, set[str]] = field(default_factory=dict)  # per `distinct` signature
+    last: dict[int, _Hit] = field(default_factory=dict)   # per `at_end` signature: its last line
 
 
 def _cut(text: str, start: int) -> str:
@@ -258,6 +261,7 @@ class Explainer:
         self._bytes = 0
         self._partial = False    # the input so far ends inside a line
         self._carry = b""
+        self._tail = b""         # the last TAIL_BYTES scanned (signatures that end the log)
 
     # -- input -------------------------------------------------------------------
     def feed_bytes(self, data: bytes) -> None:
@@ -273,8 +277,11 @@ class Explainer:
             else:
                 self._carry = buf
             return
-        self._scan(buf[:cut + 1])
-        self._carry = buf[cut + 1:]
+        head, self._carry = buf[:cut + 1], buf[cut + 1:]
+        # the joined copy goes before the scan lower-cases the head: one 4 MiB buffer less at
+        # the peak (the caller still holds `data`)
+        del buf
+        self._scan(head)
 
     def feed_lines(self, lines: Iterable[str]) -> None:
         """Feed text lines (with or without their trailing newline)."""
@@ -361,6 +368,8 @@ class Explainer:
         newlines = block.count(b"\n")
         self._lines += newlines
         self._partial = not block.endswith(b"\n")
+        self._tail = (block[-TAIL_BYTES:] if len(block) >= TAIL_BYTES
+                      else (self._tail + block)[-TAIL_BYTES:])
 
     def _note_frame(self, raw: bytes) -> None:
         text = strip_ansi(raw.decode("utf-8", "replace"))
@@ -495,7 +504,9 @@ class Explainer:
                     explained = True
                 matched.add(ci)
                 state.counts[si] += 1
-                if len(state.hits[si]) < EVIDENCE_PER_SIGNATURE:
+                if sig.at_end:  # only its last line can end the log
+                    state.last[si] = _Hit(line_no, _cut(text, m.start()), rank)
+                elif len(state.hits[si]) < EVIDENCE_PER_SIGNATURE:
                     state.hits[si].append(_Hit(line_no, _cut(text, m.start()), rank))
                 if rank is not None and len(state.ranks) < RANKS_KEPT:
                     state.ranks[rank] = None
@@ -541,18 +552,42 @@ class Explainer:
         if self._carry:
             carry, self._carry = self._carry, b""
             self._scan(carry)
-        findings = [f for f in (self._finding(e, s) for e, s in zip(self._kb.entries,
-                                                                       self._states,
-                                                                       strict=True)) if f]
+        end_lines = self._end_lines()
+        findings = [f for f in (self._finding(e, s, end_lines)
+                                for e, s in zip(self._kb.entries, self._states, strict=True)) if f]
         lines = self._lines + (1 if self._partial else 0)
         return rank_findings(findings, lines_read=lines, bytes_read=self._bytes,
                              source=self._source, kb=self._kb)
 
-    def _finding(self, entry: CodeEntry, state: _CodeState) -> Finding | None:
+    def _end_lines(self) -> frozenset[int]:
+        """The numbers of the lines that end the input: its last line with text, and the one
+        before it when that last one is a fragment a paste cut short ("gcn6:2250476:225047").
+        Blank lines and markdown fences after them do not count."""
+        pieces = self._tail.split(b"\n")
+        if not self._partial:
+            pieces.pop()  # what follows the final newline
+        number = self._lines + (1 if self._partial else 0)
+        ends: list[int] = []
+        for piece in reversed(pieces):
+            text = piece.decode("utf-8", "replace").strip().strip("`").strip()
+            if text:
+                ends.append(number)
+                if len(ends) == 2 or len(text) > FRAGMENT_CHARS or " " in text:
+                    break
+            number -= 1
+        return frozenset(ends)
+
+    def _finding(self, entry: CodeEntry, state: _CodeState,
+                 end_lines: frozenset[int] = frozenset()) -> Finding | None:
         valid: list[int] = []
         for si, sig in enumerate(entry.signatures):
             if not state.counts[si]:
                 continue
+            if sig.at_end:
+                last = state.last.get(si)
+                if last is None or last.line not in end_lines:
+                    continue
+                state.hits[si] = [last]
             if sig.requires is not None and sig.requires not in self._contexts_seen:
                 continue
             if sig.distinct is not None and len(state.values.get(si, ())) < 2:

@@ -60,6 +60,9 @@ class Signature:
     # (the CPU-only torch build among the builds without kernels for the GPU).
     why: str | None = None
     fix: str | None = None
+    # Counts only when its last matching line ends the log: what a log shows of a hang is
+    # healthy lines, then nothing (a line the paste cut short after it is still the end).
+    at_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class KnowledgeBase:
 _CODE_KEYS = {"code", "title", "why", "fix", "next", "keywords", "signatures", "details", "echo_of",
               "generic"}
 _SIG_KEYS = {"pattern", "confidence", "requires", "supporting", "greater", "distinct", "echo_of",
-             "weak", "why", "fix"}
+             "weak", "why", "fix", "at_end"}
 _DETAIL_KEYS = {"pattern", "say", "collect", "last"}
 
 
@@ -178,12 +181,16 @@ def _parse_entry(raw: Any, index: int, contexts: Mapping[str, tuple[str, ...]]) 
                 texts[key] = _str(s, key, sw)
         supporting = bool(s.get("supporting", False))
         weak = bool(s.get("weak", False))
-        if supporting and (weak or sig_echo or texts):
+        at_end = s.get("at_end", False)
+        if not isinstance(at_end, bool):
+            raise _fail(sw, "'at_end' must be true or false")
+        if supporting and (weak or sig_echo or texts or at_end):
             raise _fail(sw, "a 'supporting' signature identifies nothing: 'weak', 'echo_of', "
-                            "'why' and 'fix' apply to identifying signatures only")
+                            "'why', 'fix' and 'at_end' apply to identifying signatures only")
         sigs.append(Signature(pattern, float(confidence), requires, supporting,
                               tuple(greater) if greater else None, distinct,
-                              frozenset(sig_echo), weak, texts.get("why"), texts.get("fix")))
+                              frozenset(sig_echo), weak, texts.get("why"), texts.get("fix"),
+                              at_end))
     if not any(not s.supporting for s in sigs):
         raise _fail(where, "needs at least one signature that is not 'supporting'")
     details: list[Detail] = []

@@ -8,7 +8,8 @@ prefixes: dmesg's ``[ 1843.30]``, journald's ``Jun 02 13:13:04 host kernel:``, a
 a log viewer's line number, pdsh's ``host:``, Ray's ``(Actor pid=1, ip=...)``, docker
 compose's ``svc  |``, and the rank: torch's ``[rank3]:``, torchrun --tee's ``[default3]:``,
 torchx's ``trainer/0 [3]:``, Lightning's ``[rank: 3]``, Horovod's ``[3]<stderr>:``,
-mpirun's ``[1,3]<stdout>:``, srun -l's ``3:``. One physical line may also hold several
+mpirun's ``[1,3]<stdout>:``, srun -l's ``3:``; a comment's ``#`` or a quote opening a pasted
+line. One physical line may also hold several
 logical ones (an elastic error record in JSON with ``\\n`` escapes, ranks writing into the
 same line).
 
@@ -88,6 +89,10 @@ _NOISE = re.compile("|".join((
     r"(?:[a-z][a-z0-9-]*\d[a-z0-9-]*(?:\.[a-z0-9-]+)*|\d{1,3}(?:\.\d{1,3}){3}):[ \t]+",
     # a terminal's ^C
     r"\^C",
+    # a pasted line commented out ("# exitcode  : -9 (pid: 1234)" in a script or config) or
+    # opened by a quote or a stray backtick ('"Process Process-4:', '`11T03:16:37Z level=')
+    r"#+[ \t]+",
+    r"[\"'`]+(?=[^\s\"'`])",
 )))
 # Torch-style rank prefixes, written "[rankN]: " after normalizing.
 _RANK_TORCH = "|".join((

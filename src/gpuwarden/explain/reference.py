@@ -81,6 +81,8 @@ def _entry(e: CodeEntry) -> list[str]:
             notes.append(f"only when {sig.greater[0]} > {sig.greater[1]}")
         if sig.distinct:
             notes.append(f"only once {sig.distinct} took two different values in the log")
+        if sig.at_end:
+            notes.append("only when its last line ends the log (then silence)")
         if sig.weak:
             notes.append("weak: the root cause only when nothing else was found")
         if sig.echo_of:

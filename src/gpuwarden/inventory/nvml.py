@@ -41,6 +41,8 @@ from typing import Any
 
 from gpuwarden.errors import NoGPUError, NVMLError
 from gpuwarden.inventory.snapshot import (
+    FABRIC_COMPLETED,
+    FABRIC_STATES,
     ComputeMode,
     GPUHealth,
     GPUProcess,
@@ -310,6 +312,7 @@ class _Reader:
         if reasons is None:
             reasons = d("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
         pstate = d("nvmlDeviceGetPerformanceState", handle)
+        fabric_state, fabric_error = self._fabric(handle)
         return GPUHealth(
             temperature_c=_int(d("nvmlDeviceGetTemperature", handle,
                                  getattr(nvml, "NVML_TEMPERATURE_GPU", 0))),
@@ -330,7 +333,31 @@ class _Reader:
             retired_pages=self._retired_pages(handle),
             memory_repair_pending=self._repair_pending(handle),
             **self._nvlinks(handle),
+            fabric_state=fabric_state,
+            fabric_error=fabric_error,
         )
+
+    def _fabric(self, handle: Any) -> tuple[str | None, str | None]:
+        """The GPU's NVLink fabric registration (nvmlDeviceGetGpuFabricInfo, driver 525+).
+
+        Only NVSwitch systems of Hopper and later answer; others (and old bindings without
+        the struct) answer NOT_SUPPORTED: both None. ``status`` means something only once
+        the state is COMPLETED: NVML_SUCCESS, or why the registration failed.
+        """
+        nvml = self.nvml
+        struct = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
+        if struct is None:
+            return None, None
+        info = struct()
+        if self.s.detail("nvmlDeviceGetGpuFabricInfo", handle, ctypes.byref(info)) is None:
+            return None, None
+        state = int(info.state)  # 0 NOT_SUPPORTED, 1 NOT_STARTED, 2 IN_PROGRESS, 3 COMPLETED
+        name = FABRIC_STATES[state - 1] if 1 <= state <= len(FABRIC_STATES) else None
+        status = int(info.status)
+        error = None
+        if name == FABRIC_COMPLETED and status != _const(nvml, "NVML_SUCCESS", 0):
+            error = f"NVML: {nvml.NVMLError(status)}"
+        return name, error
 
     def _retired_pages(self, handle: Any) -> int | None:
         """Pages retired for ECC errors (both causes); None where the GPU does not retire

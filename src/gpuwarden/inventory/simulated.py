@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from gpuwarden.boundedio import InputRefused, decode_utf8, read_regular
 from gpuwarden.errors import ScenarioError
 from gpuwarden.inventory.snapshot import (
+    FABRIC_COMPLETED,
+    FABRIC_STATES,
     THROTTLE_REASONS,
     ComputeMode,
     GPUHealth,
@@ -154,7 +157,17 @@ def parse_scenario(data: Any, *, source: str = "simulated") -> HostSnapshot:
         cuda_driver_version=root.get("cuda_driver_version", str, default=None),
         gpus=tuple(sorted(gpus, key=lambda g: g.index)),
         source=source,
+        cuda_init=_cuda_init(root.get("cuda_init", str, default=None)),
     )
+
+
+def _cuda_init(value: str | None) -> str | None:
+    """The scenario's cuInit answer: a CUresult name as cuGetErrorName gives it."""
+    if value is not None and not re.fullmatch(r"CUDA_SUCCESS|CUDA_ERROR_[A-Z0-9_]+", value):
+        raise ScenarioError(f"scenario.cuda_init: {_short(value)} is not a CUDA driver result",
+                            fix="use a CUresult name such as CUDA_SUCCESS or "
+                            "CUDA_ERROR_SYSTEM_NOT_READY")
+    return value
 
 
 def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
@@ -217,6 +230,14 @@ def _parse_health(raw: dict[str, Any], where: str) -> GPUHealth:
                 raise ScenarioError(f"{where}.throttle_reasons[{i}]: {_short(reason)} is not a "
                                     "clock event reason", fix=f"use {', '.join(_REASON_NAMES)}")
         reasons = tuple(reasons)
+    fabric_state = f.get("fabric_state", str, default=None)
+    if fabric_state is not None and fabric_state not in FABRIC_STATES:
+        raise ScenarioError(f"{where}.fabric_state: {_short(fabric_state)} is not a fabric state",
+                            fix=f"use one of {', '.join(FABRIC_STATES)} (or leave it out: no fabric)")
+    fabric_error = f.get("fabric_error", str, default=None)
+    if fabric_error is not None and fabric_state != FABRIC_COMPLETED:
+        raise ScenarioError(f"{where}.fabric_error: only a completed registration has a result",
+                            fix=f'set fabric_state to "{FABRIC_COMPLETED}", or drop fabric_error')
     return GPUHealth(
         temperature_c=f.get("temperature_c", int, default=None),
         fan_speed_pct=f.get("fan_speed_pct", int, default=None),
@@ -232,6 +253,8 @@ def _parse_health(raw: dict[str, Any], where: str) -> GPUHealth:
         memory_repair_pending=f.get("memory_repair_pending", bool, default=None),
         nvlinks_active=f.get("nvlinks_active", int, default=None),
         nvlinks_total=f.get("nvlinks_total", int, default=None),
+        fabric_state=fabric_state,
+        fabric_error=fabric_error,
     )
 
 

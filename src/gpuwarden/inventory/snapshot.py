@@ -83,6 +83,11 @@ SLOWDOWN_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdow
                               "hw_thermal_slowdown", "hw_power_brake_slowdown"})
 
 
+# nvmlGpuFabricState_t, in lower case (NOT_SUPPORTED is None): what GPUHealth.fabric_state holds.
+FABRIC_COMPLETED = "completed"
+FABRIC_STATES = ("not_started", "in_progress", FABRIC_COMPLETED)
+
+
 def throttle_reason_names(mask: int) -> tuple[str, ...]:
     """NVML's reason bit mask as names; unknown bits as hex (a newer driver's reason)."""
     names = [name for bit, name in THROTTLE_REASONS if mask & bit]
@@ -115,6 +120,21 @@ class GPUHealth:
     memory_repair_pending: bool | None = None
     nvlinks_active: int | None = None
     nvlinks_total: int | None = None
+    # The GPU's place in the NVLink fabric of an NVSwitch system (HGX/DGX, Hopper and later:
+    # nvmlDeviceGetGpuFabricInfo, nvidia-smi -q's "Fabric" section): one of FABRIC_STATES;
+    # None where there is no fabric or NVML cannot say (Ampere answers NOT_SUPPORTED). Until
+    # the Fabric Manager has registered the GPU (completed), CUDA refuses to start on the host
+    # (cudaErrorSystemNotReady, 802). fabric_error: NVML's error when a completed registration
+    # failed (None when it succeeded).
+    fabric_state: str | None = None
+    fabric_error: str | None = None
+
+    @property
+    def fabric_ready(self) -> bool | None:
+        """Whether the fabric lets CUDA start: None without a fabric (or when unknown)."""
+        if self.fabric_state is None:
+            return None
+        return self.fabric_state == FABRIC_COMPLETED and self.fabric_error is None
 
     @property
     def slowdowns(self) -> tuple[str, ...]:
@@ -135,6 +155,10 @@ class GPUHealth:
             # NCCL then routes through PCIe or host memory: collectives run several times slower
             out.append(f"{self.nvlinks_total - self.nvlinks_active} of {self.nvlinks_total} "
                        "NVLinks down")
+        if self.fabric_ready is False:
+            out.append(f"NVLink fabric registration failed: {self.fabric_error}"
+                       if self.fabric_state == FABRIC_COMPLETED else
+                       f"NVLink fabric {self.fabric_state}: CUDA will not start (Fabric Manager)")
         return tuple(out)
 
 
@@ -203,6 +227,10 @@ class HostSnapshot:
     cuda_driver_version: str | None
     gpus: tuple[GPUSnapshot, ...]
     source: str  # "nvml" or "simulated:<path>"
+    # The CUDA driver's answer to cuInit as a scenario states it ("CUDA_SUCCESS",
+    # "CUDA_ERROR_SYSTEM_NOT_READY" ...). NVML cannot know it: None from the NVML backend,
+    # whose host the doctor asks in a subprocess instead (doctor.probes.query_cuda_driver).
+    cuda_init: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
