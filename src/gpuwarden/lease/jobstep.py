@@ -363,7 +363,7 @@ def blame_slurm_job(exc: Exception, lease_dir: str | Path | None = None) -> None
     GPU the other asks for (a lease of the free ones and a share of the held ones are not
     mixed)."""
     from gpuwarden.errors import GpuwardenError
-    from gpuwarden.lease import list_leases
+    from gpuwarden.lease.listing import list_leases
 
     job = slurm_job_of(os.getpid())
     if job is None or not isinstance(exc, GpuwardenError):
