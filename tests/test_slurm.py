@@ -336,7 +336,10 @@ def test_doctor_in_an_allocation_checks_the_steps_gpus(slurm: Cluster, tmp_path:
 def test_a_rank_crash_fails_the_job_with_every_tasks_exit_and_one_cause(slurm: Cluster,
                                                                         tmp_path: Path) -> None:
     in_cwd(tmp_path)
-    job, state, text = batch(slurm, tmp_path, recipe("batch"), env={"TRAIN_CRASH_RANK": "3"})
+    hold = tmp_path / "hold"  # the other ranks wait there until their launcher stops them
+    hold.mkdir()
+    job, state, text = batch(slurm, tmp_path, recipe("batch"),
+                             env={"TRAIN_CRASH_RANK": "3", "TRAIN_HOLD_DIR": str(hold), **LIGHT})
     assert state == "FAILED", text
     # gpuwarden names a node by its host name: n2's is this machine's on the one-host cluster
     cause = f"rank 3 on node 1 ({slurm.host_name_of('n2')}): RuntimeError: rank 3 crashed on purpose"
@@ -363,7 +366,7 @@ def hold_two_nodes(slurm: Cluster, tmp_path: Path, script: str | None = None,
 def test_scancel_leaves_nothing_before_slurms_sigkill(slurm: Cluster, tmp_path: Path) -> None:
     """scancel: Slurm sends SIGTERM, and SIGKILL KillWait later; gpuwarden's launchers, node
     agents and ranks are all gone before that (checked by process, not by exit code)."""
-    job, out, _ = hold_two_nodes(slurm, tmp_path)
+    job, out, _ = hold_two_nodes(slurm, tmp_path, **LIGHT)
     assert slurm.processes(None, "gpuwarden launch")
     start = time.monotonic()
     slurm.check(["scancel", str(job)])
@@ -436,7 +439,7 @@ def test_requeue_starts_the_job_again_clean(slurm: Cluster, tmp_path: Path) -> N
     is left, and the second run (SLURM_RESTART_COUNT=1) leases the same GPUs and rendezvous
     on the same derived port without meeting anything of the first."""
     job, out, hold = hold_two_nodes(slurm, tmp_path, recipe("preemption"),
-                                    TRAIN_HOLD_FIRST_RUN_ONLY="1")
+                                    TRAIN_HOLD_FIRST_RUN_ONLY="1", **LIGHT)
     first = set(slurm.job_pids())
     r = slurm.run(["bash", "-c", recipe("requeue")], env={"JOBID": str(job)})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -447,7 +450,7 @@ def test_requeue_starts_the_job_again_clean(slurm: Cluster, tmp_path: Path) -> N
     text = out.read_text()
     assert state == "COMPLETED", text
     ranks = trained(text)
-    assert_two_nodes_of_two(ranks, text, static=True)
+    assert_two_nodes_of_two(ranks, text, static=True, total="-")
     assert {x["restart"] for x in ranks} == {"1"}, text
     assert not [p for p in first if p in slurm.job_pids()], "a process of the first run lives"
     for node in slurm.nodes:

@@ -4,8 +4,8 @@ the rank was given. Switches, exported by the job as a user exports them:
 
     TRAIN_LIGHT=1         no torch: the line from the environment alone (sum=-), for the tests
                           about what a launcher is given and how a job ends, not the collective
-    TRAIN_CRASH_RANK=R    rank R raises after init_process_group; the others wait in the
-                          all_reduce until their launcher stops them
+    TRAIN_CRASH_RANK=R    rank R raises after init_process_group; the others wait (in the hold,
+                          or in the all_reduce) until their launcher stops them
     TRAIN_HOLD_DIR=D      after init each rank writes D/ready.<rank> (its pid and node) and
                           waits for D/go (up to 300 s) before the all_reduce; with
                           TRAIN_HOLD_FIRST_RUN_ONLY=1 only a job's first run holds (a requeued
@@ -38,6 +38,9 @@ else:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 restart = int(env("SLURM_RESTART_COUNT") or 0)
+if env("TRAIN_CRASH_RANK") == str(rank):
+    time.sleep(0.5)  # the others are waiting by then (in the hold, or in the all_reduce)
+    raise RuntimeError(f"rank {rank} crashed on purpose")
 hold = env("TRAIN_HOLD_DIR")
 if hold and not (env("TRAIN_HOLD_FIRST_RUN_ONLY") and restart > 0):
     with open(os.path.join(hold, f"ready.{rank}.tmp"), "w") as f:
@@ -46,8 +49,6 @@ if hold and not (env("TRAIN_HOLD_FIRST_RUN_ONLY") and restart > 0):
     deadline = time.monotonic() + 300
     while not os.path.exists(os.path.join(hold, "go")) and time.monotonic() < deadline:
         time.sleep(0.05)
-if env("TRAIN_CRASH_RANK") == str(rank):
-    raise RuntimeError(f"rank {rank} crashed on purpose")
 total = "-"
 if not light:
     x = torch.tensor([float(rank + 1)])

@@ -293,9 +293,22 @@ def slurm_job_of(pid: int) -> str | None:
     return None
 
 
+_own_job: dict[int, str | None] = {}
+
+
+def own_slurm_job() -> str | None:
+    """:func:`slurm_job_of` this process, read once per process (a waiting request asks at
+    every attempt; a process never moves to another job)."""
+    pid = os.getpid()
+    if pid not in _own_job:
+        _own_job.clear()  # a forked child: its parent's answer is not its own
+        _own_job[pid] = slurm_job_of(pid)
+    return _own_job[pid]
+
+
 def same_slurm_job(pids: Iterable[int]) -> frozenset[int]:
     """Of ``pids``, those that run in this process's own Slurm job (none outside a job)."""
-    mine = slurm_job_of(os.getpid())
+    mine = own_slurm_job()
     if mine is None:
         return frozenset()
     return frozenset(p for p in pids if p != os.getpid() and slurm_job_of(p) == mine)
@@ -328,7 +341,7 @@ def serve_slurm_job(request: LeaseRequest, lease_dir: str | Path | None = None,
     their holders (Slurm gave them to the job; its steps share them with ``--overlap``).
     None outside a Slurm job, or when the job's other processes hold too few of the GPUs
     this process may use (then the request is served, or refused, as any other)."""
-    job = slurm_job_of(os.getpid())
+    job = own_slurm_job()
     if job is None:
         return None
     environ = os.environ if env is None else env
@@ -365,7 +378,7 @@ def blame_slurm_job(exc: Exception, lease_dir: str | Path | None = None) -> None
     from gpuwarden.errors import GpuwardenError
     from gpuwarden.lease.listing import list_leases
 
-    job = slurm_job_of(os.getpid())
+    job = own_slurm_job()
     if job is None or not isinstance(exc, GpuwardenError):
         return
     try:

@@ -107,7 +107,8 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
         return jobstep.serve_slurm_job(req, waiter.directory, env, visible, inventory)
 
     try:
-        return _acquire(waiter, env, on_wait, visible, inventory, share)
+        return _acquire(waiter, env, on_wait, visible, inventory,
+                        share if jobstep.own_slurm_job() is not None else None)
     except (LeaseUnavailableError, LeaseTimeoutError) as exc:
         jobstep.blame_slurm_job(exc, waiter.directory)
         raise
