@@ -16,7 +16,9 @@ Slurm command lines under both launchers; torchrun's are its documented ones (on
    the moment no process of the job is left (by process, in the cluster's namespaces);
 4. a node's launcher killed -> job ended: the same job, SIGKILL to the launcher (torchrun: its
    agent) on the second node; until Slurm records the job ended, capped at --cap (then
-   scancel), and what was left of it at that moment.
+   scancel); the job's processes still there at that moment, and those left behind once
+   scancel and KillWait are through (parent pid 1: Slurm's proctrack/linuxproc no longer
+   finds them, and they run on).
 
 Each number is the median of --repeat runs, with the spread.
 """
@@ -24,6 +26,7 @@ Each number is the median of --repeat runs, with the spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -89,8 +92,9 @@ def scancel_to_nothing_left(c: Cluster, work: Path, line: str) -> float:
     return time.monotonic() - start
 
 
-def launcher_killed(c: Cluster, work: Path, line: str, cap: float) -> tuple[float, int]:
-    """(seconds until the job ended, or inf at the cap; processes of the job left then)."""
+def launcher_killed(c: Cluster, work: Path, line: str, cap: float) -> tuple[float, int, int]:
+    """(seconds until the job ended, or inf at the cap; the job's processes still there at
+    that moment; its processes left behind after scancel and KillWait, parent pid 1)."""
     job, _ = hold_job(c, work, line)
     name = "gpuwarden launch" if line.startswith("gpuwarden") else "torchrun"
     victims = [p for p, _ in c.processes("n2", name)]
@@ -107,8 +111,22 @@ def launcher_killed(c: Cluster, work: Path, line: str, cap: float) -> tuple[floa
     time.sleep(1.0)  # what the job's end left, a moment later (not Slurm's own teardown)
     left = len([p for p in c.job_pids() if "slurmstepd" not in c.describe([p])])
     c.run(["scancel", str(job)])
+    c.wait_no_job_processes(15)  # KillWait (10 s) and a margin
+    orphans = [p for p in c.job_pids() if _ppid(p) == 1 and "slurmstepd" not in c.describe([p])]
+    for pid in orphans:  # processes of this benchmark's job, in the cluster's namespaces
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     c.wait_no_job_processes(120)
-    return took, left
+    return took, left, len(orphans)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def median(xs: list[float]) -> str:
@@ -163,9 +181,10 @@ def main() -> int:
             for who, line in (("gpuwarden", TWO_NODES["gpuwarden (no flag)"]),
                               ("torchrun", TWO_NODES["torchrun (c10d line)"])):
                 runs = [launcher_killed(c, work, line, args.cap) for _ in range(args.repeat)]
-                left = [n for _, n in runs]
                 rows.append(("n2's launcher SIGKILLed -> job ended", who,
-                             f"{median([t for t, _ in runs])}; processes left then: {left}"))
+                             f"{median([t for t, _, _ in runs])}; the job's processes at that "
+                             f"moment: {[n for _, n, _ in runs]}; left behind after scancel "
+                             f"(parent pid 1): {[n for _, _, n in runs]}"))
     shutil.rmtree(work, ignore_errors=True)
     load = max(load, os.getloadavg()[0])
     print(f"| {'two hosts' if args.two_hosts else 'one host'}, median of {args.repeat} "
