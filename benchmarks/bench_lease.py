@@ -13,7 +13,12 @@ the implementation of this checkout ("after") and the one of a git ref ("before"
   with '[', and with 100k flocks held elsewhere on the host (/proc/locks grows by as many
   lines) while one lease is held;
 - competitor: filelock.FileLock (what ad-hoc "GPU lock" scripts use; torch depends on it)
-  on one lock file per GPU, same loops. filelock polls every 50 ms by default when waiting.
+  on one lock file per GPU, same loops. filelock polls every 50 ms by default when waiting;
+- memory leases (issue 41, ``--sections memory``): ask -> granted of a slot lease (2 per GPU),
+  before and after, beside a memory lease (``mem=``, sized so that 2 share a GPU), uncontended
+  and contended; and the memory guard's cost: one holder's polls of 8 GPUs running 64 of its
+  processes, through NVML's code path (the test suite's double of pynvml: gpuwarden's own
+  work, not the driver's) and through the simulated host.
 
 It is not a test; run it: ``python benchmarks/bench_lease.py [--quick] [--before REF]``.
 While the 100k flocks are held, any program that reads /proc/locks (an older gpuwarden
@@ -58,14 +63,22 @@ def summary(name: str, values_s: list[float]) -> str:
 
 # -- what runs inside one implementation's process ---------------------------------------------
 
-def uncontended(n: int) -> list[float]:
+LEASES: dict[str, dict[str, object]] = {
+    "whole": {}, "slot": {"slots_per_gpu": 2},
+    # Two of these fit one simulated 24 GiB GPU (1 GiB reserve): as many holders as 2 slots.
+    "mem": {"mem": 11 * 1024**3},
+}
+
+
+def uncontended(n: int, lease: str = "whole") -> list[float]:
     from gpuwarden.lease import acquire
 
-    acquire(1).release()  # warm: files exist, modules imported
+    kwargs = LEASES[lease]
+    acquire(1, **kwargs).release()  # warm: files exist, modules imported
     out = []
     for _ in range(n):
         t = time.perf_counter()
-        acquire(1).release()
+        acquire(1, **kwargs).release()
         out.append(time.perf_counter() - t)
     return out
 
@@ -109,14 +122,15 @@ def _only(uuid: str) -> object:
     return Constraints(include=(uuid,))
 
 
-def contended_loop(out: Path, loops: int, hold_s: float) -> Callable[[], None]:
+def contended_loop(out: Path, loops: int, hold_s: float, lease: str = "whole"
+                   ) -> Callable[[], None]:
     def body() -> None:
         from gpuwarden.lease import acquire
 
         lines = []
         for _ in range(loops):
             asked = time.monotonic()
-            grant = acquire(1, wait=float("inf"))
+            grant = acquire(1, wait=float("inf"), **LEASES[lease])
             got = time.monotonic()
             time.sleep(hold_s)
             gpu = grant.gpus[0].uuid
@@ -215,14 +229,71 @@ def run_processes(make: Callable[[Path], Callable[[], None]], procs: int, tmp: P
     return {"latency": latency, "handoff": handoff, "wall_s": wall_s, "ops": len(rows)}
 
 
+def guard_cost(seconds: float, tmp: Path) -> dict[str, object]:
+    """CPU time of a memory lease holder's guard: 8 leased GPUs, 64 of its processes on them
+    (8 each, real children), polled every POLL_S for ``seconds``; through NVML's code path (the
+    test double of pynvml) and through the simulated host (a scenario naming the same pids)."""
+    sys.path.insert(0, str(ROOT))
+    import subprocess as sp
+
+    from gpuwarden.inventory import Inventory
+    from gpuwarden.inventory.nvml import NvmlBackend
+    from gpuwarden.inventory.simulated import SimulatedBackend
+    from gpuwarden.lease import acquire
+    from gpuwarden.lease.guard import POLL_S, MemoryGuard
+    from tests.fake_pynvml import FakeDriver, FakeGPU, FakeProcess
+
+    uuids = [f"GPU-guard-{i}" for i in range(8)]
+    children = [sp.Popen(["sleep", "600"]) for _ in range(64)]
+    try:
+        procs = [[children[g * 8 + k].pid for k in range(8)] for g in range(8)]
+        host = {"hostname": "guard", "gpus": [
+            {"index": i, "uuid": u, "memory_total_mib": 81559, "memory_used_mib": 8 * 1024,
+             "processes": [{"pid": p, "used_memory_mib": 1024} for p in procs[i]]}
+            for i, u in enumerate(uuids)]}
+        path = tmp / f"guard-{time.monotonic_ns()}.json"
+        path.write_text(json.dumps(host))
+        os.environ["GPUWARDEN_SIMULATE"] = str(path)
+        grant = acquire(8, mem=9 * 1024**3)
+        driver = FakeDriver([FakeGPU(uuid=u, used_bytes=8 * 1024**3, compute=[
+            FakeProcess(p, 1024**3) for p in procs[i]]) for i, u in enumerate(uuids)])
+        out: dict[str, object] = {"poll_s": POLL_S}
+        for name, backend in (("nvml", NvmlBackend(driver.module(), nested_pid_namespace=False)),
+                              ("simulated", SimulatedBackend(path))):
+            guard = MemoryGuard(grant, Inventory(backend, env={}))
+            cpu = time.process_time()
+            report = guard.poll()  # the first poll looks every process up once
+            first = time.process_time() - cpu
+            assert not report.error and not report.current, report
+            polls, cpu, wall = 0, time.process_time(), time.monotonic()
+            while time.monotonic() - wall < seconds:
+                guard.poll()
+                polls += 1
+                time.sleep(max(0.0, wall + polls * POLL_S - time.monotonic()))
+            used = time.process_time() - cpu
+            elapsed = time.monotonic() - wall
+            out[name] = {"first_poll_cpu_s": first, "polls": polls, "cpu_s": used,
+                         "wall_s": elapsed, "per_poll_cpu_s": used / max(1, polls),
+                         "core_pct": 100 * used / elapsed}
+        grant.release()
+        return out
+    finally:
+        for child in children:
+            child.kill()
+        for child in children:
+            child.wait()
+
+
 def worker(args: argparse.Namespace) -> None:
     """One measurement in this process, with the implementation on sys.path[0]; JSON out."""
     if args.kind == "uncontended":
-        result: object = uncontended(args.n)
+        result: object = uncontended(args.n, args.lease)
     elif args.kind == "contended":
         tmp = Path(args.tmp)
-        result = run_processes(lambda out: contended_loop(out, args.loops, args.hold_s),
-                               args.procs, tmp)
+        result = run_processes(lambda out: contended_loop(out, args.loops, args.hold_s,
+                                                          args.lease), args.procs, tmp)
+    elif args.kind == "guard":
+        result = guard_cost(args.seconds, Path(args.tmp))
     elif args.kind == "request":
         result = one_request(args.hold_gpu1)
     else:
@@ -342,6 +413,8 @@ def main() -> int:
     parser.add_argument("--before", default="main", help="git ref of the implementation to "
                         "compare with (default: main)")
     parser.add_argument("--flocks", type=int, default=100_000)
+    parser.add_argument("--sections", default="all", choices=("all", "memory"),
+                        help="all (default), or only the memory leases' (issue 41)")
     # Internal: one measurement in a fresh process.
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--impl", default=None, help=argparse.SUPPRESS)
@@ -350,6 +423,8 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=0.005, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hold-gpu1", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lease", default="whole", choices=tuple(LEASES), help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=20.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, args.impl)
@@ -370,6 +445,9 @@ def main() -> int:
         print(f"simulated 2-GPU host, {os.cpu_count()} CPU(s), python {sys.version.split()[0]}, "
               f"load average {os.getloadavg()[0]:.1f}; before = {args.before}, after = this "
               "checkout")
+        if args.sections == "memory":
+            memory_sections(args, impls, base_env, tmp, n, loops, hold_s)
+            return 0
 
         print(f"uncontended acquire+release, 1 process ({n} x 2 runs each, alternating):")
         runs: dict[str, list[float]] = {"before": [], "after": []}
@@ -439,6 +517,44 @@ def main() -> int:
                     line.append(f"{name} {wall * 1000:8.1f} ms ({cpu * 1000:6.1f} ms CPU)")
             print(f"  {label:<44} " + "   ".join(line))
     return 0
+
+
+def memory_sections(args: argparse.Namespace, impls: dict[str, Path], base_env: dict[str, str],
+                    tmp: Path, n: int, loops: int, hold_s: float) -> None:
+    """Issue 41: a memory lease's ask -> granted beside a slot lease's (before and after, in
+    this run), and the guard's cost."""
+    runs = {("before", "slot"): [], ("after", "slot"): [], ("after", "mem"): []}
+    print(f"uncontended acquire+release, 1 process ({n} x 2 runs each, alternating):")
+    for _round in range(2):
+        for (name, lease), values in runs.items():
+            env = {**base_env, "GPUWARDEN_LEASE_DIR": str(fresh_dir(tmp, f"{name}-{lease}"))}
+            values += measure(impls[name], "uncontended", env, "--n", str(n),  # type: ignore[operator]
+                              "--lease", lease)
+    for (name, lease), values in runs.items():
+        what = "slot lease (1 of 2)" if lease == "slot" else "memory lease (11 GiB of 24)"
+        print("  " + summary(f"{name}: {what}", values))
+    print(f"contended: {args.procs} processes x {loops} loops, hold {args.hold_ms:g} ms, "
+          "2 GPUs, 2 holders per GPU at most:")
+    for name, lease in runs:
+        env = {**base_env, "GPUWARDEN_LEASE_DIR": str(fresh_dir(tmp, f"c-{name}-{lease}"))}
+        r = measure(impls[name], "contended", env, "--loops", str(loops), "--hold-s",
+                    str(hold_s), "--tmp", str(tmp), "--n", "0", "--procs", str(args.procs),
+                    "--lease", lease)
+        lat = r["latency"]  # type: ignore[index]
+        what = "slot lease" if lease == "slot" else "memory lease"
+        print("  " + summary(f"{name}: {what}: ask -> granted", lat)
+              + f"   max {max(lat) * 1000:8.1f} ms   "
+              f"{r['ops'] / r['wall_s']:6.1f} leases/s")  # type: ignore[index,operator]
+    seconds = 10.0 if args.quick else 30.0
+    env = {**base_env, "GPUWARDEN_LEASE_DIR": str(fresh_dir(tmp, "guard"))}
+    cost = measure(impls["after"], "guard", env, "--seconds", str(seconds), "--tmp", str(tmp))
+    print(f"the memory guard: 8 leased GPUs, 64 of the holder's processes, a poll every "
+          f"{cost['poll_s']} s for {seconds:g} s (the holder's CPU time):")  # type: ignore[index]
+    for backend in ("nvml", "simulated"):
+        c = cost[backend]  # type: ignore[index]
+        print(f"  {backend + ' path':<18} {c['polls']:4d} polls  {c['per_poll_cpu_s'] * 1000:6.2f} "
+              f"ms CPU per poll  {c['core_pct']:5.2f} % of a core  (first poll, every process "
+              f"looked up: {c['first_poll_cpu_s'] * 1000:.1f} ms)")
 
 
 if __name__ == "__main__":

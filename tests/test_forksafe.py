@@ -151,14 +151,8 @@ def test_gpu_is_available_alone_poisons_fork() -> None:
     assert out == {"available": True, "initialized": False, "safe": False}
 
 
-@pytest.mark.gpu
-def test_gpu_device_count_alone_leaves_a_forked_child_able_to_use_cuda() -> None:
-    """torch counts GPUs through NVML when it can: no at-fork handler, the child's CUDA works
-    (the first real-GPU run showed story 1's ranks reaching NCCL after device_count())."""
-    out = run_py("""
-        import torch, gpuwarden
-        out["count"] = torch.cuda.device_count()
-        out["safe"] = gpuwarden.fork_safe()
+# The parent forks; the child makes a CUDA tensor and reports "ok" or its error in out["child"].
+FORKED_CHILD_USES_CUDA = """
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -169,6 +163,18 @@ def test_gpu_device_count_alone_leaves_a_forked_child_able_to_use_cuda() -> None
             os.write(w, msg.encode()[:500]); os._exit(0)
         os.close(w); os.waitpid(pid, 0)
         out["child"] = os.read(r, 1000).decode()
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_device_count_alone_leaves_a_forked_child_able_to_use_cuda() -> None:
+    """torch counts GPUs through NVML when it can: no at-fork handler, the child's CUDA works
+    (the first real-GPU run showed story 1's ranks reaching NCCL after device_count())."""
+    out = run_py("""
+        import torch, gpuwarden
+        out["count"] = torch.cuda.device_count()
+        out["safe"] = gpuwarden.fork_safe()
+    """ + FORKED_CHILD_USES_CUDA + """
     """, env={"PYTORCH_NVML_BASED_CUDA_CHECK": ""})
     assert out["count"] >= 1 and out["safe"] is True and out["child"] == "ok", out
 
@@ -182,16 +188,7 @@ def test_gpu_nvml_based_check_keeps_fork_safe_until_cuda_is_used() -> None:
         torch.zeros(1, device="cuda")
         s = gpuwarden.fork_safety()
         out.update(safe_after_tensor=s.safe, reason=s.reason)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                torch.zeros(1, device="cuda"); msg = "ok"
-            except BaseException as exc:
-                msg = str(exc)
-            os.write(w, msg.encode()[:500]); os._exit(0)
-        os.close(w); os.waitpid(pid, 0)
-        out["child"] = os.read(r, 1000).decode()
+    """ + FORKED_CHILD_USES_CUDA + """
     """, env={"PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     assert out["available"] is True and out["safe_after_check"] is True
     assert out["safe_after_tensor"] is False and "initialized" in out["reason"]

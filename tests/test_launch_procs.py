@@ -91,22 +91,22 @@ def test_environment_prefixes_logs_and_no_torch_import(capsys: pytest.CaptureFix
                             "--rdzv-id", "job7", script, "--x", "1")
     assert code == 0, err
     envs = {}
-    for line in out.splitlines():
-        prefix, _, rest = line.partition(": ")
+    for line in out.splitlines():  # tee'd: tagged as torchrun tags it, [default0]:
+        prefix, _, rest = line.partition(":")
         if rest.startswith("ENV "):
             envs[prefix] = json.loads(rest[4:])
-    assert set(envs) == {"[rank0]", "[rank1]"}
-    assert envs["[rank1]"]["RANK"] == "1" and envs["[rank1]"]["WORLD_SIZE"] == "2"
-    assert envs["[rank0]"]["MASTER_PORT"] == envs["[rank1]"]["MASTER_PORT"]
-    assert "[rank0]: TORCH_IMPORTED False" in out  # the bootstrap never imports torch itself
-    assert '[rank1]: ARGV ["--x", "1"]' in out
-    assert f"[rank0]: SYSPATH0 {SCRIPTS}" in out  # as `python SCRIPT` would set it
-    assert "[rank1]: to stderr from 1" in err
+    assert set(envs) == {"[default0]", "[default1]"}
+    assert envs["[default1]"]["RANK"] == "1" and envs["[default1]"]["WORLD_SIZE"] == "2"
+    assert envs["[default0]"]["MASTER_PORT"] == envs["[default1]"]["MASTER_PORT"]
+    assert "[default0]:TORCH_IMPORTED False" in out  # the bootstrap never imports torch itself
+    assert '[default1]:ARGV ["--x", "1"]' in out
+    assert f"[default0]:SYSPATH0 {SCRIPTS}" in out  # as `python SCRIPT` would set it
+    assert "[default1]:to stderr from 1" in err
     # torchrun's layout: LOG_DIR/<run id>_<random>/attempt_0/<local rank>/std{out,err}.log
     (run_dir,) = (tmp_path / "logs").glob("job7_*")
     assert (run_dir / "attempt_0" / "1" / "stderr.log").read_text() == "to stderr from 1\n"
     assert "ENV " in (run_dir / "attempt_0" / "0" / "stdout.log").read_text()
-    assert envs["[rank0]"]["TORCHELASTIC_RUN_ID"] == "job7"
+    assert envs["[default0]"]["TORCHELASTIC_RUN_ID"] == "job7"
     code, out, err = launch(capsys, "-n", "2", "--quiet", script)
     assert code == 0 and "[rank0]: ENV" in out and "[rank1]" not in out + err
     code, out, err = launch(capsys, "-n", "1", "-m", "tests.launch_scripts.env_dump", "--y")
@@ -142,6 +142,7 @@ def test_simulated_two_gpu_host_gives_every_rank_the_jobs_gpus(capsys: pytest.Ca
     ("raise", 1, "rank 1 failed first: ValueError: bad batch 17"),
     ("exit3", 3, "rank 1 failed first: exit code 3"),
     ("segv", 128 + 11, "rank 1 was killed by SIGSEGV(-11)"),
+    ("fpe", 128 + 8, "rank 1 was killed by SIGFPE(-8)"),
     ("kill", 128 + 9, "rank 1 was killed by SIGKILL(-9)"),
 ])
 def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixture[str],
@@ -160,7 +161,7 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
     assert not wait_until_gone(pids_in(tmp_path), 2.0)  # ranks and their own children
     if mode == "raise":
         assert 'File "' + str(SCRIPTS / "crash.py") in err and "_bootstrap.py" not in err
-    if mode == "segv":
+    if mode in ("segv", "fpe"):
         assert "Python stack of rank 1 at the crash" in err and "crash.py\", line" in err
         assert "error[RANK_NATIVE_CRASH]" in err  # its own native code, not "a rank failed"
     if mode == "kill":

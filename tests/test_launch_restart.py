@@ -65,6 +65,12 @@ def test_another_nodes_same_exception_twice_ends_this_node_too() -> None:
 def test_the_jobs_configuration_is_not_restarted_unless_always() -> None:
     guard = Failure("MAIN_GUARD_MISSING", 0, "RuntimeError", "/x.py:1")
     assert not decide_restart([], guard, RestartPolicy(2)).restart
+    # the host's NVSwitch fabric is down: no attempt on this host can create a context
+    fabric = Failure("CUDA_SYSTEM_NOT_READY", 0, "RuntimeError", "/x.py:5")
+    assert not decide_restart([], fabric, RestartPolicy(2)).restart
+    # gloo's peer went away: an echo of another rank's death, which can pass
+    lost = Failure("GLOO_PEER_LOST", 1, "RuntimeError", "/x.py:9")
+    assert decide_restart([lost], lost, RestartPolicy(3)).restart
     assert decide_restart([], guard, RestartPolicy(2, "always")).restart
     # --restart-on always: torchrun's blind restarts, the same bug included
     assert decide_restart([KEYERROR], KEYERROR, RestartPolicy(2, "always")).restart

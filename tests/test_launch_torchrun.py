@@ -11,6 +11,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -81,7 +82,57 @@ def test_torchrun_flags_keep_their_meaning() -> None:
     cpu = config("--nproc-per-node", "cpu", BEHAVE)
     assert cpu.cpu and cpu.nproc == len(os.sched_getaffinity(0))
     assert config("--nproc-per-node", "auto", BEHAVE).nproc_auto
-    assert config(BEHAVE).master_addr == "localhost"  # what torchrun gives on one node
+
+
+
+@pytest.mark.parametrize(("argv", "pet", "master_addr"), [
+    # torchrun runs its c10d rendezvous on one node (--standalone, c10d, or neither a port nor
+    # an endpoint): MASTER_ADDR is this host's name ("": looked up before the plan)
+    ([], {}, ""), (["--standalone"], {}, ""), (["--rdzv-backend", "c10d"], {}, ""),
+    (["--master-addr", "10.0.0.4"], {}, ""), (["--local-addr", "127.0.0.1"], {}, ""),
+    ([], {"PET_RDZV_BACKEND": "c10d", "PET_MASTER_ADDR": "127.0.0.1",
+          "PET_MASTER_PORT": "29500"}, ""),
+    # ... its static rendezvous (a port or an endpoint given): --master-addr, else 127.0.0.1
+    (["--master-port", "29531"], {}, "127.0.0.1"), ([], {"PET_MASTER_PORT": "29531"}, "127.0.0.1"),
+    (["--master-addr", "box", "--master-port", "29531"], {}, "box"),
+    (["--rdzv-endpoint", "box:29531"], {}, "box"),
+])
+def test_master_addr_on_one_node_follows_torchruns_rendezvous(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], pet: dict[str, str],
+        master_addr: str) -> None:
+    for name, value in pet.items():
+        monkeypatch.setenv(name, value)
+    assert config(*argv, BEHAVE).master_addr == master_addr
+
+
+def test_the_c10d_master_addr_is_this_hosts_name_as_torch_gives_it() -> None:
+    import socket
+
+    from gpuwarden.launch.preflight import choose_master_addr
+
+    assert choose_master_addr(config(BEHAVE)) == (socket.getfqdn(), ())
+    assert choose_master_addr(config("--local-addr", "127.0.0.2", BEHAVE)) == ("127.0.0.2", ())
+    assert choose_master_addr(config("--master-port", "29531", BEHAVE)) == ("127.0.0.1", ())
+
+
+def test_a_host_name_that_does_not_lead_here_is_not_given_to_the_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun would hand the ranks this host's name even when it resolves elsewhere (a stale
+    /etc/hosts line, a resolver that answers with a NAT's public address): they would wait to
+    connect until their timeout. gpuwarden gives localhost then, and says why."""
+    from gpuwarden import net
+    from gpuwarden.launch.preflight import choose_master_addr
+
+    monkeypatch.setattr(net, "host_fqdn", lambda **_: "box.example.invalid")
+    addr, notes = choose_master_addr(config(BEHAVE))
+    assert addr == "localhost" and "this host's name box.example.invalid resolves to " in notes[0]
+    monkeypatch.setattr(net, "resolve", lambda host, **_: net.Resolution(host, ("192.0.2.7",),
+                                                                          None, 0.0))
+    addr, notes = choose_master_addr(config(BEHAVE))
+    assert addr == "localhost" and "resolves to 192.0.2.7, not to an address of this host" \
+        in notes[0]
+    monkeypatch.setattr(net, "host_fqdn", lambda **_: None)  # the resolver did not answer
+    assert choose_master_addr(config(BEHAVE))[0] == "localhost"
 
 
 def test_pet_variables_are_read_as_torchrun_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,8 +149,9 @@ def test_pet_variables_are_read_as_torchrun_reads_them(monkeypatch: pytest.Monke
 def test_rendezvous_flags_map_onto_the_jobs_store() -> None:
     c = config("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29533", "--rdzv-id", "j",
                "--rdzv-conf", "join_timeout=90,read_timeout=60", BEHAVE)
+    # one node, c10d: torchrun's ranks get this host's name, not the endpoint's ("": looked up)
     assert (c.master_addr, c.master_port, c.rdzv_id, c.nnodes, c.rdzv_timeout_s) == (
-        "localhost", 29533, "j", 1, 90)
+        "", 29533, "j", 1, 90)
     assert config("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost", BEHAVE).master_port == 29400
     standalone = config("--standalone", "--rdzv-endpoint", "x:1", "--rdzv-id", "j", BEHAVE)
     assert standalone.master_port is None and standalone.rdzv_id is None  # torchrun ignores them
@@ -116,7 +168,8 @@ def test_rendezvous_flags_map_onto_the_jobs_store() -> None:
       "store_type=file"], "only the TCP store reaches other nodes"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "supports static and c10d"),
     (["--nnodes", "1:4"], "elastic membership"),
-    (["--logs-specs", "mine"], "custom torchrun LogsSpecs"),
+    (["--logs-specs", "mine"], "no installed package has the entry point 'mine' in the group "
+     "'torchrun.logs_specs' (installed there: default), so torchrun would fail too"),
     (["--no-python", "-m"], "contradict"),
     (["--nproc-per-node", "xpu"], "NVIDIA GPUs or CPU"),
     (["--local-ranks-filter", "a"], "not a list of local ranks"),
@@ -127,6 +180,37 @@ def test_torchrun_settings_gpuwarden_cannot_honour_are_refused(argv: list[str], 
     with pytest.raises(UsageError) as info:
         config(*argv, BEHAVE)
     assert words in info.value.what and info.value.exit_code == 2
+
+
+def test_logs_specs_names_the_entry_point_torchrun_would_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--logs-specs NAME said only "not supported": it names the class torchrun would load from
+    which package; torch's own "default" (DefaultLogsSpecs, the layout gpuwarden writes) runs."""
+    dist = tmp_path / "fancylogs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fancylogs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[torchrun.logs_specs]\nfancy = fancylogs:FancySpecs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError) as info:
+        config("--logs-specs", "fancy", BEHAVE)
+    assert info.value.what.startswith(
+        "--logs-specs fancy: torchrun would load fancylogs:FancySpecs (entry point 'fancy' of the "
+        "group 'torchrun.logs_specs', package fancylogs) into its agent"), info.value.what
+    assert config("--logs-specs", "default", BEHAVE).log_dir is None
+
+
+@pytest.mark.timeout(60)
+def test_numa_binding_is_refused_for_cpu_ranks_and_noted_on_gpus(
+        capsys: pytest.CaptureFixture[str], scenario, lease_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """torchrun binds each rank to its GPU's NUMA node and exits 1 for CPU ranks ('Torch not
+    compiled with CUDA enabled'); gpuwarden ran them."""
+    code, out, err = launch(capsys, "--numa-binding", "node", "-n", "2", BEHAVE, "lines", "1")
+    assert code == 2 and err.startswith("error[USAGE]: --numa-binding node: the ranks run on "
+                                        "CPU, and torchrun binds each rank"), err
+    scenario("two_gpu")
+    code, out, err = launch(capsys, "--numa-binding", "socket", "--gpus", "1", BEHAVE, "lines", "1")
+    assert code == 0, err
+    assert "gpuwarden: --numa-binding socket is not applied" in err
 
 
 def test_unknown_flag_gets_one_line_naming_launch_and_the_nearest_flag(
@@ -219,6 +303,55 @@ def test_rank_outputs_follow_torchruns_redirect_tee_and_filter_rules() -> None:
     assert outs(1, local_ranks_filter=frozenset({0})) == (False, False, False, False)
     assert rank_outputs(rank=1, local_rank=1, redirects="1", tee="0", local_ranks_filter=None,
                         quiet=False, attempt_dir="/l/a").stdout_file == "/l/a/1/stdout.log"
+
+
+def test_a_teed_stream_is_tagged_as_torchrun_tags_it() -> None:
+    """torchrun tags a tee'd stream's lines [<role><local rank>]: (its TailLog), on the console
+    and in the filtered-lines files, which only tee'd streams feed; gpuwarden's [rankN]: stays
+    on the streams torchrun would not tag at all."""
+    o = rank_outputs(rank=5, local_rank=1, redirects="0", tee="1", local_ranks_filter=None,
+                     quiet=False, attempt_dir="/l/a", role="trainer")
+    assert (o.prefix_of(False), o.prefix_of(True)) == (b"[trainer1]:", b"[rank5]: ")
+    assert (o.tee_out, o.tee_err) == (True, False)
+    t = rank_outputs(rank=5, local_rank=1, redirects="0", tee="3", local_ranks_filter=None,
+                     quiet=False, attempt_dir="/l/a", prefix_template="[${rank}/${local_rank}]:")
+    assert t.prefix_of(True) == b"[5/1]:"
+    # redirected only, hidden by --local-ranks-filter, or no log directory: nothing tee'd
+    for kw in ({"redirects": "3", "tee": "0"}, {"tee": "3", "local_ranks_filter": frozenset({0})},
+               {"tee": "3", "attempt_dir": None}):
+        args = {"rank": 1, "local_rank": 1, "redirects": "0", "local_ranks_filter": None,
+                "quiet": False, "attempt_dir": "/l/a", **kw}
+        n = rank_outputs(**args)  # type: ignore[arg-type]
+        assert not (n.tee_out or n.tee_err) and n.prefix_of(False) == b"[rank1]: "
+
+
+@pytest.mark.timeout(240)
+def test_tee_tags_and_duplicate_filters_are_torchruns(tmp_path: Path) -> None:
+    """torchrun itself, beside gpuwarden launch, the same flags: console lines of -t, and
+    filtered_stdout.log with -t (tagged matching lines) and without (empty)."""
+    script = tmp_path / "lines.py"
+    script.write_text("import os\nr = os.environ['RANK']\n"
+                      "print(f'loss 1 from rank {r}')\nprint(f'other from rank {r}')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["GPUWARDEN_SIMULATE"] = str(SCENARIOS / "nogpu.json")
+
+    def run(cmd: list[str], logs: Path, *flags: str) -> tuple[list[str], list[str]]:
+        done = subprocess.run([*cmd, "--nproc-per-node", "2", "--role", "trainer", "--log-dir",
+                               str(logs), "--duplicate-stdout-filters", "loss", *flags,
+                               str(script)], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=200)
+        assert done.returncode == 0, done.stderr
+        (filtered,) = logs.glob("*/attempt_0/filtered_stdout.log")
+        return sorted(done.stdout.splitlines()), sorted(filtered.read_text().splitlines())
+
+    torchrun = [str(Path(sys.executable).parent / "torchrun")]
+    theirs = run(torchrun, tmp_path / "t1", "-t", "3")
+    assert run([GPUWARDEN, "launch"], tmp_path / "g1", "-t", "3") == theirs
+    assert theirs[1] == ["[trainer0]:loss 1 from rank 0", "[trainer1]:loss 1 from rank 1"]
+    theirs = run(torchrun, tmp_path / "t2")
+    ours = run([GPUWARDEN, "launch"], tmp_path / "g2")
+    assert ours[1] == theirs[1] == []  # without -t torchrun's filters read nothing
+    assert sorted(line.split(": ", 1)[1] for line in ours[0]) == theirs[0]  # [rankN]: kept
 
 
 _wrappers: list[io.TextIOWrapper] = []  # a collected wrapper would close its BytesIO
@@ -457,6 +590,35 @@ def test_head_1_ends_the_job_without_a_traceback(tmp_path: Path) -> None:
     assert done.stdout.startswith("[rank") and done.stdout.count("\n") == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert "status=0" in done.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["static", "pet-c10d"])
+def test_master_addr_is_torchruns_in_either_rendezvous(tmp_path: Path, mode: str) -> None:
+    """torchrun itself, beside gpuwarden launch: its static rendezvous (one node, a port given)
+    gave 127.0.0.1 where gpuwarden gave localhost; Kubeflow's PET_RDZV_BACKEND=c10d the reverse."""
+    from gpuwarden.net import pick_free_port
+
+    script = tmp_path / "addr.py"
+    script.write_text("import os\nprint('ADDR', os.environ['MASTER_ADDR'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["GPUWARDEN_SIMULATE"] = str(SCENARIOS / "nogpu.json")
+    args = ["--nproc-per-node", "1"]
+    if mode == "static":
+        args += ["--master-port", str(pick_free_port())]
+    else:
+        env.update(PET_RDZV_BACKEND="c10d", PET_MASTER_ADDR="127.0.0.1",
+                   PET_MASTER_PORT=str(pick_free_port()))
+
+    def addr(cmd: list[str]) -> str:
+        done = subprocess.run([*cmd, *args, str(script)], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=150)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("ADDR ", 1)[1].split()[0]
+
+    theirs = addr([str(Path(sys.executable).parent / "torchrun")])
+    assert addr([GPUWARDEN, "launch"]) == theirs
+    assert theirs == ("127.0.0.1" if mode == "static" else socket.getfqdn())
 
 
 # What docs/launch.md lists as the remaining differences from torchrun's environment, each with

@@ -211,7 +211,8 @@ def test_single_node_slurm_step_chooses_its_own_port(monkeypatch: pytest.MonkeyP
     config = _config(["--cpu"])
     assert config.nnodes == 1 and not config.multinode
     assert config.master_port is None  # chosen free at launch, as without Slurm
-    assert config.master_addr == "localhost"  # as torchrun on one node
+    # as torchrun on one node (its c10d rendezvous): this host's name, looked up at launch
+    assert config.master_addr == ""
     assert _config([]).nproc == 2  # the allocation's GPUs still give the ranks per node
 
 

@@ -389,3 +389,36 @@ def test_the_backend_exists_inside_a_gpuwarden_launch_rank_as_under_torchrun(tmp
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANK 0 ran on" in done.stdout and "not False" in done.stdout, done.stdout
+
+
+def test_the_cpu_fallback_warning_points_at_the_users_line(scenario, lease_dir,  # type: ignore[no-untyped-def]
+                                                           monkeypatch, no_leftover_processes) -> None:
+    """It pointed at gpuwarden's own joblib backend (a fixed stacklevel), not at the user's
+    Parallel call; a GPUPool made directly, or by a subclass, points at its caller too."""
+    import linecache
+    import warnings
+
+    from gpuwarden.pool import CPUFallbackWarning, GPUPool
+
+    scenario("nogpu")
+
+    class MyPool(GPUPool):
+        def __init__(self) -> None:
+            super().__init__(cpu_workers=1, preload=())
+
+    def named_line(make) -> str:  # type: ignore[no-untyped-def]
+        monkeypatch.setattr("gpuwarden.pool.executor._warned_cpu", False)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            make()
+        (w,) = [w for w in got if issubclass(w.category, CPUFallbackWarning)]
+        assert w.filename == __file__, (w.filename, w.lineno)
+        return linecache.getline(w.filename, w.lineno)
+
+    try:
+        assert "Parallel(" in named_line(
+            lambda: Parallel(n_jobs=2, backend="gpuwarden")(delayed(abs)(-i) for i in range(2)))
+    finally:
+        shutdown_reusable_pool()
+    assert "GPUPool(" in named_line(lambda: GPUPool(cpu_workers=1, preload=()).shutdown())
+    assert "super().__init__" in named_line(lambda: MyPool().shutdown())

@@ -121,3 +121,18 @@ def test_fix_hints_follow_the_refusal_not_words_in_a_command_line() -> None:
     fix = sel.error().fix or ""
     assert "--allow-shared" in fix
     assert "--min-free" not in fix and "--max-util" not in fix
+
+
+def test_a_gpu_whose_nvlink_fabric_is_not_ready_is_refused_with_the_admins_fix() -> None:
+    """CUDA fails on every GPU of an HGX board with error 802 while the Fabric Manager has not
+    registered it (CUDA_SYSTEM_NOT_READY): selection refuses such GPUs before any job starts on
+    them, and says who can fix it."""
+    from gpuwarden.inventory.simulated import SimulatedBackend
+    from gpuwarden.select import Constraints, Refusal, select
+
+    host = SimulatedBackend("fabric-down").read_host()
+    sel = select(host.gpus, Constraints(count=1))
+    assert not sel.satisfied
+    assert {v.refusal for v in sel.verdicts} == {Refusal.FABRIC}
+    assert all("CUDA_SYSTEM_NOT_READY" in v.reason for v in sel.verdicts)
+    assert "nvidia-fabricmanager" in sel.error().fix

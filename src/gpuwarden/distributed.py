@@ -287,7 +287,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         payload = os.path.join(work, "payload.pkl")
         with open(payload, "wb") as f:
             _pickler().dump((fn, tuple(args)), f)
-        config = LaunchConfig(target="gpuwarden.launch.ranks._bootstrap", module=True, nproc=nprocs, cpu=cpu,
+        # localhost, as mp.spawn users set it: no torchrun command line to follow here
+        config = LaunchConfig(target="gpuwarden.launch.ranks._bootstrap", module=True,
+                              nproc=nprocs, cpu=cpu, master_addr="localhost",
                               stall_timeout_s=parse_duration(stall_timeout, what="stall_timeout"),
                               grace_s=parse_duration(grace, what="grace"))
         argv = (sys.executable, "-m", "gpuwarden.launch.ranks._bootstrap", "--call", payload)

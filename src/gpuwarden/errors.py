@@ -29,8 +29,8 @@ Tree (exit code in brackets)::
     │   └── PoolBrokenError       the pool cannot run tasks (initializer failed, shut down)
     ├── LaunchError [1]           a launch cannot start (preflight), or a job failed
     │   ├── PortInUseError        an explicit MASTER_PORT is taken (RDZV_PORT_IN_USE)
-    │   └── RendezvousError       multi-node preflight: MASTER_ADDR/PORT unusable from this node
-    │                             (RDZV_DNS, RDZV_CONNECT_TIMEOUT, RDZV_CONN_REFUSED, ...)
+    │   └── RendezvousError       rendezvous preflight: MASTER_ADDR/PORT unusable from this node
+    │                             (RDZV_DNS, also on one node; RDZV_CONNECT_TIMEOUT, ...)
     └── JobQueryError [1]         `status`/`stacks` could not ask a running job (JOB_UNREACHABLE)
         ├── JobNotFoundError [2]  no such job of this user's on this host (JOB_NOT_FOUND)
         └── JobDeniedError        the job is another user's: the kernel refused (JOB_DENIED)
@@ -86,6 +86,9 @@ GPUWARDEN_CODES = {
     "control endpoint (a 0700 directory)",
     "JOB_UNREACHABLE": "a running launch did not answer `gpuwarden status`/`stacks` in time (its "
     "launcher is busy, stopped, or ending)",
+    "LEASE_MEMORY_EXCEEDED": "a process (with its children) uses more GPU memory than its "
+    "memory lease (`--mem`): named by the holder, `ls`, `leases` and `status`; ended with "
+    "`--mem-enforce stop`",
     "NODE_LOST": "a node of a multi-node job went silent in the job's store (its host, network or "
     "launcher died); the others stopped, and restart without it when --max-restarts allows",
 }
@@ -365,9 +368,9 @@ class PortInUseError(LaunchError):
 
 
 class RendezvousError(LaunchError):
-    """A multi-node launch cannot reach its rendezvous from this node (raised before any rank
-    starts). ``code`` names which failure: RDZV_DNS (MASTER_ADDR unknown to this host's
-    resolver), RDZV_CONNECT_TIMEOUT (packets dropped: a firewall, or a wrong address),
+    """A launch cannot reach its rendezvous from this node (raised before any rank starts; on
+    one node only RDZV_DNS, for a --master-addr that does not resolve). ``code`` names which
+    failure: RDZV_DNS (MASTER_ADDR unknown to this host's resolver), RDZV_CONNECT_TIMEOUT (packets dropped: a firewall, or a wrong address),
     RDZV_CONN_REFUSED (nothing listened on MASTER_PORT for the whole window: node 0 not started,
     a wrong port; or no route), NCCL_NO_INTERFACE (a *_SOCKET_IFNAME names no usable interface),
     USAGE (MASTER_ADDR is loopback, or node 0 does not own it).

@@ -47,6 +47,7 @@ class Job:
     gpus: list[dict[str, Any]] = field(default_factory=list)  # from the lease directory
     launch: dict[str, Any] | None = None  # the launcher's own answer (this user's jobs)
     note: str | None = None  # why there is no more to show
+    findings: list[dict[str, Any]] = field(default_factory=list)  # e.g. LEASE_MEMORY_EXCEEDED
 
     @property
     def id(self) -> str:
@@ -57,7 +58,8 @@ class Job:
                 "uid": self.uid, "mine": self.mine, "private": not self.mine,
                 "command": self.command, "started_at": self.started_at,
                 "age_s": None if self.started_at is None else round(max(0.0, now - self.started_at), 1),
-                "gpus": self.gpus, "note": self.note, "launch": self.launch}
+                "gpus": self.gpus, "note": self.note, "launch": self.launch,
+                "findings": self.findings}
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,10 @@ def _add_leases(jobs: dict[int, Job], notes: list[str]) -> str | None:
     me = os.getuid()
     for holder in table.holders:
         gpus = [{"index": c.index, "uuid": c.uuid,
-                 "slots": "all" if c.slots_per_gpu == 1 else f"{len(c.slots)} of {c.slots_per_gpu}"}
+                 "slots": "memory" if c.is_memory else "all" if c.slots_per_gpu == 1
+                 else f"{len(c.slots)} of {c.slots_per_gpu}",
+                 **({"memory_bytes": c.memory_bytes, "holder_id": holder.record_id}
+                    if c.is_memory else {})}
                 for c in holder.claims]
         job = jobs.get(holder.pid)
         if job is None:
@@ -254,6 +259,31 @@ def gpu_memory_by_pid(inventory: Any) -> dict[int, int] | None:
                 if p.used_memory_bytes is not None:
                     used[p.pid] = used.get(p.pid, 0) + p.used_memory_bytes
     return used
+
+
+def add_memory_leases(table: JobTable, inventory: Any) -> None:
+    """Each memory lease of a job gets ``used_bytes`` (what the job's processes use of that GPU,
+    per NVML), and a job past its memory gets its LEASE_MEMORY_EXCEEDED findings."""
+    from gpuwarden.lease import list_leases
+    from gpuwarden.lease.guard import lease_memory, overuse_finding
+
+    if not any("memory_bytes" in g for j in table.jobs for g in j.gpus):
+        return
+    try:
+        leases = list_leases()
+    except Exception:  # unreadable: the jobs are listed without it, as _add_leases does
+        return
+    memory = lease_memory(leases, inventory)
+    for job in table.jobs:
+        for gpu in job.gpus:
+            if "memory_bytes" not in gpu:
+                continue
+            holder = next((h for h in leases.holders if h.record_id == gpu.get("holder_id")),
+                          None)
+            gpu["used_bytes"] = None if holder is None else memory.use_of(holder, gpu["uuid"])
+        for over in memory.overuses:
+            if over.holder.pid == job.pid:
+                job.findings.append(overuse_finding(over).to_dict())
 
 
 def add_gpu_memory(table: JobTable, used: dict[int, int] | None) -> None:

@@ -119,6 +119,35 @@ def resolve(host: str, *, timeout_s: float = 3.0) -> Resolution:
     return Resolution(host, addrs, None if addrs else "no address", elapsed)
 
 
+def host_fqdn(*, timeout_s: float = 2.0) -> str | None:
+    """This host's name as ``socket.getfqdn()`` gives it: the name torch's rendezvous advertises
+    for a node (and torchrun's workers get as MASTER_ADDR on one node). None when the resolver
+    does not answer within ``timeout_s`` (getfqdn has no timeout of its own)."""
+    box: dict[str, str] = {}
+
+    def work() -> None:
+        try:
+            box["name"] = socket.getfqdn()
+        except (OSError, UnicodeError):
+            pass
+
+    thread = threading.Thread(target=work, name="resolve-fqdn", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box.get("name") or None
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` is one of this host's (a socket can be bound to it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address.split("%")[0], 0))
+        return True
+    except OSError:
+        return False
+
+
 def probe_tcp(host: str, port: int, *, timeout_s: float = 3.0) -> ProbeResult:
     """Resolve ``host`` and try ``host:port`` (:func:`connect_tcp`), all within ``timeout_s``."""
     start = time.monotonic()

@@ -81,6 +81,7 @@ class Refusal(str, Enum):
     MEMORY = "memory"
     UTILIZATION = "utilization"
     UNREADABLE = "unreadable"  # NVML failed on it: GPU is lost, needs a reset
+    FABRIC = "fabric"  # its NVLink fabric is not registered: CUDA cannot start on it
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,11 @@ def _fix_hint(sel: Selection) -> str:
     if Refusal.UTILIZATION in kinds:
         hints.append("a higher --max-util")
     hints.append("fewer GPUs, or wait for GPUs to free (gpuwarden run --wait)")
-    return "ask for " + ", or ".join(hints)
+    fix = "ask for " + ", or ".join(hints)
+    if Refusal.FABRIC in kinds:
+        fix += ("; GPUs whose NVLink fabric is not ready wait for an admin: `systemctl status "
+                "nvidia-fabricmanager` (the fabricmanager of the driver's exact version)")
+    return fix
 
 
 def _matches(gpu: GPUSnapshot, ids: Sequence[str]) -> bool:
@@ -177,6 +182,12 @@ def judge(gpu: GPUSnapshot, c: Constraints) -> Verdict:
         return no(Refusal.UNREADABLE,
                   f"unusable: {gpu.error} (GPU_HARDWARE_FAULT when it is lost: an admin must "
                   "reset it; leave it out meanwhile)")
+    if gpu.health.fabric_ready is False:  # every CUDA call on it fails with error 802
+        return no(Refusal.FABRIC,
+                  f"its NVLink fabric is {gpu.health.fabric_state}"
+                  + (f" ({gpu.health.fabric_error})" if gpu.health.fabric_error else "")
+                  + ": CUDA cannot start on it (CUDA_SYSTEM_NOT_READY); an admin must get "
+                  "nvidia-fabricmanager running (`gpuwarden doctor` says more)")
     if gpu.uuid in c.unavailable:
         return no(Refusal.UNAVAILABLE, c.unavailable[gpu.uuid])
     if gpu.compute_mode is ComputeMode.PROHIBITED:

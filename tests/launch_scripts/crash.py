@@ -30,3 +30,5 @@ if mode == "segv":
     ctypes.string_at(0)
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if mode == "fpe":  # what an integer division by zero in native code raises
+    os.kill(os.getpid(), signal.SIGFPE)

@@ -73,3 +73,20 @@ def add_simulate_arg(p: argparse.ArgumentParser) -> None:
                    "gpuwarden (two-idle, example, eight-idle, mig, busy, sick, no-gpu) or a "
                    "scenario file (docs/scenarios.md); GPUWARDEN_SIMULATE does the same for "
                    "every command")
+
+
+def memory_size(flag: str, *, zero: bool = False) -> Callable[[str], int]:
+    """An argparse ``type`` for an amount of one GPU's memory (``--mem 20GiB``): more than 0
+    bytes (0 too with ``zero``), at most what a GPU could have."""
+    from gpuwarden.units import parse_size
+
+    def parse(text: str) -> int:
+        value = parse_size(text, what=flag)
+        if not (0 if zero else 1) <= value <= MAX_MIN_FREE_BYTES:
+            least = "0 bytes or more" if zero else "more than 0 bytes"
+            raise UsageError(f"{flag} {text[:40]}: must be {least} and at most what a GPU has",
+                             fix=f"e.g. {flag} 20GiB")
+        return value
+
+    parse.__name__ = "size"
+    return parse

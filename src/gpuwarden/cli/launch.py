@@ -83,6 +83,9 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="allow more ranks than GPUs, round-robin (implies --bind rank); NCCL "
                    "refuses two ranks on one GPU, so gpuwarden.distributed.init() picks gloo for "
                    "ranks that share one")
+    g.add_argument("--oversubscribe", action="store_true",
+                   help="run CPU ranks even when they are far more than the cores (more than 4 "
+                   "per core, and more than 16, is refused without it; mpirun's flag)")
     g.add_argument("--bind", choices=("all", "rank"), default=None,
                    help="all (default, torchrun's): every rank sees the job's GPUs in rank order, "
                    "cuda:LOCAL_RANK is its own; rank: each rank sees only its own GPU, as cuda:0, "
@@ -92,6 +95,13 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--min-free", metavar="SIZE", default="0", help="minimum free memory per GPU")
     g.add_argument("--wait", metavar="DURATION", default=None,
                    help="wait up to DURATION for enough usable GPUs (e.g. 10m)")
+    g.add_argument("--mem-per-rank", metavar="SIZE", default=None,
+                   help="lease SIZE of each rank's GPU (e.g. 20GiB) instead of the whole GPU: "
+                   "GPUs are shared by memory with other leases, and a rank whose processes use "
+                   "more is named (docs/leases.md, Memory leases)")
+    g.add_argument("--mem-enforce", choices=("warn", "stop"), default=None,
+                   help="with --mem-per-rank, when a rank uses more: warn (default: name it on "
+                   "stderr and in `gpuwarden status`) or stop the job (LEASE_MEMORY_EXCEEDED)")
 
     g = p.add_argument_group("failures and stalls")
     g.add_argument("--stall-timeout", metavar="DURATION", default="5m",
@@ -212,12 +222,15 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
                    default="null", metavar="NAME",
                    help="accepted for torchrun command lines; gpuwarden logs no torchelastic events")
     g.add_argument("--logs-specs", "--logs_specs", dest="logs_specs", default=None,
-                   metavar="NAME", help="torchrun's custom LogsSpecs entry point: refused (the "
-                   "supervisor loads no torch plugins); --log-dir/--tee/--redirects give "
+                   metavar="NAME", help="torchrun's custom LogsSpecs (an entry point of the group "
+                   "torchrun.logs_specs): refused, naming the entry point torchrun would load "
+                   "(the supervisor loads no torch plugins); --log-dir/--tee/--redirects give "
                    "torchrun's default layout")
     g.add_argument("--numa-binding", "--numa_binding", dest="numa_binding", default=None,
                    choices=("node", "socket", "exclusive", "core-complex"),
-                   help="accepted for torchrun command lines; not applied yet (a note says so)")
+                   help="accepted for torchrun command lines; not applied yet on GPUs (a note "
+                   "says so); refused for CPU ranks, which have no GPU whose NUMA node to bind "
+                   "to (torchrun fails on them)")
     p.add_argument("script", metavar="SCRIPT", help="the script (or module with -m) to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments for the script")
@@ -226,16 +239,12 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from gpuwarden.cli._args import min_free_bytes
-    from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STOP_SIGNALS, LaunchConfig
+    from gpuwarden.cli._args import memory_size, min_free_bytes
+    from gpuwarden.launch.config import STOP_SIGNALS, LaunchConfig
     from gpuwarden.units import parse_duration
 
-    if args.logs_specs:
-        raise UsageError(f"--logs-specs {args.logs_specs}: custom torchrun LogsSpecs are not "
-                         "supported", why="they are Python classes loaded into torchrun's agent; "
-                         "gpuwarden's supervisor loads no torch plugins",
-                         fix="leave --logs-specs out: --log-dir with --tee/--redirects writes "
-                         "torchrun's default layout")
+    if args.logs_specs and not _is_default_logs_specs(args.logs_specs):
+        raise _logs_specs_refused(args.logs_specs)
     if args.no_python and args.module:
         raise UsageError("--no-python and -m contradict each other (torchrun refuses them too)",
                          fix="give one of them")
@@ -262,6 +271,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         node_rank = None  # assigned on arrival; torchrun ignores --node-rank here too
     elif node_rank is None and (nnodes or 1) == 1:
         node_rank = 0
+    if (nnodes or 1) == 1:
+        master_addr = _one_node_master_addr(args, rdzv)
     if isinstance(gpus, str) and gpus != "all":
         if not gpus.isdigit():
             raise UsageError(f"--gpus {gpus!r} is neither a number nor 'all'", fix="--gpus 2 or --gpus all")
@@ -281,15 +292,19 @@ def config_from_args(args: argparse.Namespace) -> Any:
         gpus=gpus,
         cpu=cpu,
         share=args.share,
+        oversubscribe=args.oversubscribe,
         bind=bind,
         min_free_bytes=min_free_bytes(args.min_free),
         wait_s=parse_duration(args.wait, what="--wait") if args.wait else None,
+        mem_per_rank_bytes=memory_size("--mem-per-rank")(args.mem_per_rank)
+        if args.mem_per_rank else 0,
+        mem_enforce=args.mem_enforce or "warn",
         stall_timeout_s=parse_duration(args.stall_timeout, what="--stall-timeout"),
         keep_waiting=args.keep_waiting,
         straggler_note=args.straggler_note,
         grace_s=_grace(args.shutdown_timeout),
         master_port=master_port,
-        master_addr=master_addr or DEFAULT_MASTER_ADDR,
+        master_addr=master_addr or "",
         nnodes=1 if nnodes is None else nnodes,
         min_nodes=rdzv["min_nodes"],
         node_rank=node_rank,
@@ -316,8 +331,63 @@ def config_from_args(args: argparse.Namespace) -> Any:
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
         duplicate_stdout_filters=_filters(args.duplicate_stdout_filters),
         duplicate_stderr_filters=_filters(args.duplicate_stderr_filters),
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
         signals_to_handle=signals,
+        numa_binding=args.numa_binding,
     )
+
+
+LOGS_SPECS_GROUP = "torchrun.logs_specs"  # the entry-point group torchrun loads --logs-specs from
+
+
+# torch's own entry point: its DefaultLogsSpecs, the layout gpuwarden writes
+DEFAULT_LOGS_SPECS = "torch.distributed.elastic.multiprocessing:DefaultLogsSpecs"
+
+
+def _is_default_logs_specs(name: str) -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == name and ep.value == DEFAULT_LOGS_SPECS
+               for ep in entry_points(group=LOGS_SPECS_GROUP))
+
+
+def _logs_specs_refused(name: str) -> UsageError:
+    """--logs-specs NAME: which entry point torchrun would load (torch.distributed.run's
+    _get_logs_specs_class), and that gpuwarden's supervisor loads none."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=LOGS_SPECS_GROUP))
+    mine = next((ep for ep in found if ep.name == name), None)
+    fix = ("leave --logs-specs out: --log-dir with --tee/--redirects writes torchrun's default "
+           "layout (its DefaultLogsSpecs)")
+    if mine is None:
+        others = ", ".join(sorted(ep.name for ep in found)) or "none"
+        return UsageError(
+            f"--logs-specs {name}: no installed package has the entry point {name!r} in the group "
+            f"{LOGS_SPECS_GROUP!r} (installed there: {others}), so torchrun would fail too "
+            f"(\"Could not find entrypoint under '{LOGS_SPECS_GROUP}[{name}]' key\"); and "
+            "gpuwarden loads no LogsSpecs class", fix=fix)
+    package = getattr(getattr(mine, "dist", None), "name", None)
+    return UsageError(
+        f"--logs-specs {name}: torchrun would load {mine.value} (entry point {name!r} of the "
+        f"group {LOGS_SPECS_GROUP!r}{', package ' + package if package else ''}) into its agent; "
+        "gpuwarden's supervisor loads no torch plugins, so custom LogsSpecs are not supported",
+        fix=fix)
+
+
+def _one_node_master_addr(args: argparse.Namespace, rdzv: dict[str, Any]) -> str:
+    """MASTER_ADDR on one node, as torchrun gives it: its static rendezvous (a --master-port or
+    an endpoint given) hands the workers --master-addr (127.0.0.1 when left out) or the
+    endpoint's host; its c10d rendezvous (--standalone, --rdzv-backend c10d, or neither a port
+    nor an endpoint, which torchrun runs as c10d on one node) this host's own name: "" here,
+    looked up before the plan (launch/preflight.py: choose_master_addr)."""
+    from gpuwarden.launch.config import DEFAULT_MASTER_ADDR, STATIC_MASTER_ADDR
+
+    c10d = args.standalone or rdzv["backend"] == "c10d" or (
+        not args.rdzv_endpoint and rdzv["master_port"] is None)
+    if c10d:
+        return DEFAULT_MASTER_ADDR
+    return rdzv["master_addr"] or STATIC_MASTER_ADDR
 
 
 def _nproc(text: str | None) -> int | None:
@@ -487,9 +557,11 @@ def run(args: argparse.Namespace) -> int:
     if args.node_rank is not None and config.dynamic:
         notes.append(f"--node-rank {args.node_rank} is ignored with --rdzv-backend c10d: torch's "
                      "rendezvous assigns node ranks on arrival (as torchrun)")
-    if args.numa_binding:
-        notes.append(f"--numa-binding {args.numa_binding} is not applied: ranks run on every "
-                     "CPU this launch may use")
+    if args.master_addr and not config.master_addr:
+        notes.append(f"--master-addr {args.master_addr} is not used: on one node without "
+                     "--master-port (or with --standalone or --rdzv-backend c10d) torchrun runs "
+                     "its c10d rendezvous, whose ranks get this host's own name as MASTER_ADDR; "
+                     "so does gpuwarden")
     if args.event_log_handler not in (None, "null"):
         notes.append(f"--event-log-handler {args.event_log_handler}: gpuwarden logs no "
                      "torchelastic events")

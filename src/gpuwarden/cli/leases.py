@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.cli._args import MAX_SLOTS_PER_GPU, bounded_int
+from gpuwarden.cli._args import MAX_SLOTS_PER_GPU, bounded_int, memory_size
 from gpuwarden.cli._output import emit_json, emit_table, note
-from gpuwarden.units import format_duration
+from gpuwarden.units import format_bytes, format_duration
 
 
 def add_parser(sub: Any) -> None:
@@ -52,6 +52,10 @@ def add_parser(sub: Any) -> None:
                       help=f"the most slots per GPU a request may use (default 8, at most "
                       f"{MAX_SLOTS_PER_GPU}); a request with more is refused in a prepared "
                       "directory")
+    init.add_argument("--mem-reserve", type=memory_size("--mem-reserve", zero=True), default=None,
+                      metavar="SIZE", help="what each GPU keeps out of memory leases (`run "
+                      "--mem`): headroom for fragmentation and for a process creeping past its "
+                      "lease before the guard names it (default 1GiB)")
     init.add_argument("--json", action="store_true", dest="init_json",
                       help="machine-readable output (schema_version 1)")
     p.set_defaults(run=run)
@@ -70,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         directory, warning = lease_dir_choice()
     table = list_leases(directory)
+    memory = _memory_use(table)
     if args.json:
-        emit_json(table.to_dict())
+        emit_json({**table.to_dict(), **_memory_json(table, memory)})
         return 0
     if warning:
         note(f"gpuwarden: note: {warning}")
@@ -95,25 +100,82 @@ def run(args: argparse.Namespace) -> int:
         note(f"no leases: the lease directory {table.directory} does not exist yet")
         return 0
     rows = []
+    with_memory = memory is not None and bool(memory.budgets)
     for h in table.holders:
         for c in h.claims:
-            slots = "all" if c.slots_per_gpu == 1 else f"{len(c.slots)} of {c.slots_per_gpu}"
-            rows.append([str(c.index), slots, _pid(h), h.user, h.host,
-                         h.label or h.command, format_duration(max(0.0, now - h.started_at)),
-                         h.command])
+            slots = format_bytes(c.memory_bytes) if c.is_memory else "all" \
+                if c.slots_per_gpu == 1 else f"{len(c.slots)} of {c.slots_per_gpu}"
+            row = [str(c.index), slots, _pid(h), h.user, h.host, h.label or h.command,
+                   format_duration(max(0.0, now - h.started_at)), h.command]
+            if with_memory:
+                assert memory is not None
+                row.insert(2, _use_cell(memory, h, c))
+            rows.append(row)
     kind = "prepared" if table.prepared else "not prepared by `gpuwarden leases init`"
-    emit_table(["GPU", "slots", "pid", "user", "host", "label", "for", "command"], rows,
+    head = ["GPU", "slots", "pid", "user", "host", "label", "for", "command"]
+    if with_memory:
+        head.insert(2, "uses")
+    emit_table(head, rows,
                title=f"{len(table.holders)} lease holder(s) [{table.directory}, {kind}]")
+    if memory is not None:
+        _say_memory(memory)
     if table.tickets:
         wait_rows = []
         for pos, t in enumerate(table.tickets, 1):
-            want = describe_request(t.gpus_wanted, 0, t.slots_per_gpu, t.slots_each)
+            want = describe_request(t.gpus_wanted, 0, t.slots_per_gpu, t.slots_each,
+                                    memory_bytes=t.memory_bytes)
             may_use = "-" if t.stopped or not t.uuids else ",".join(t.uuids)
             wait_rows.append([str(pos), _pid(t), t.user, t.label or t.command, want,
                               format_duration(max(0.0, now - t.started_at)), may_use])
         emit_table(["#", "pid", "user", "label", "wants", "waiting", "may use"], wait_rows,
                    title=f"{len(table.tickets)} request(s) waiting, in arrival order")
     return 0
+
+
+def _memory_use(table: Any) -> Any:
+    """What the memory leases' processes use now (None: no memory lease is held)."""
+    from gpuwarden.lease.guard import lease_memory
+
+    if not any(c.is_memory for h in table.holders for c in h.claims):
+        return None
+    return lease_memory(table)
+
+
+def _memory_json(table: Any, memory: Any) -> dict[str, Any]:
+    if memory is None:
+        return {"gpu_memory": [], "memory_findings": []}
+    from gpuwarden.lease.guard import overuse_finding
+
+    return {"gpu_memory": [{"index": b.index, "uuid": b.uuid, "total_bytes": b.total_bytes,
+                            "reserve_bytes": b.reserve_bytes, "outside_bytes": b.outside_bytes,
+                            "leased_bytes": b.leased_bytes, "room_bytes": b.room_bytes,
+                            "leases": [{"holder_id": s.holder.record_id, "pid": s.holder.pid,
+                                        "kind": s.kind, "booked_bytes": s.booked_bytes,
+                                        "used_bytes": s.used_bytes} for s in b.shares]}
+                           for b in memory.budgets],
+            "memory_findings": [overuse_finding(o).to_dict() for o in memory.overuses],
+            "gpu_memory_error": memory.error or None}
+
+
+def _use_cell(memory: Any, holder: Any, claim: Any) -> str:
+    used = memory.use_of(holder, claim.uuid)
+    if used is None:
+        return "?"
+    over = claim.is_memory and used > claim.memory_bytes
+    return format_bytes(used) + (" !" if over else "")
+
+
+def _say_memory(memory: Any) -> None:
+    from gpuwarden.findings import render_plain
+    from gpuwarden.lease.guard import overuse_finding
+
+    if memory.error:
+        note(f"gpuwarden: note: what memory leases use is not known: {memory.error}")
+    for b in memory.budgets:
+        note(f"gpuwarden: GPU {b.index}: {b.describe_room()}")
+    for over in memory.overuses:
+        finding = overuse_finding(over)
+        note(render_plain(finding, head=f"gpuwarden: {finding.label}: {finding.what}"))
 
 
 def _pid(record: Any) -> str:
@@ -137,7 +199,8 @@ def _init(args: argparse.Namespace) -> int:
             "give --dir D to prepare a directory of your own for the simulated ones")
     uuids = [u for g in host.gpus for u in (g.uuid, *(m.uuid for m in g.mig_devices))]
     report = init_shared_dir(args.init_dir or Path(SHARED_LEASE_DIR), uuids, group=args.group,
-                             max_slots=args.slots_per_gpu or DEFAULT_MAX_SLOTS)
+                             max_slots=args.slots_per_gpu or DEFAULT_MAX_SLOTS,
+                             memory_reserve_bytes=args.mem_reserve)
     if args.init_json:
         emit_json(report.to_dict())
     else:

@@ -112,6 +112,8 @@ class View:
     visibility_error: VisibilityError | None = None
     # pid -> %CPU measured between two refreshes of --watch
     cpu_pct: Mapping[int, float] | None = None
+    # Memory leases of this host (guard.LeaseMemory), None: none held (or no lease directory)
+    memory: Any = None
 
     @property
     def short_ids(self) -> dict[str, str]:
@@ -125,7 +127,8 @@ class View:
         for g in self.gpus:
             d = g.to_dict()
             d["cuda_ordinal"] = self.ordinals.get(g.uuid)
-            d["problems"] = list(problems_of(g))
+            d["problems"] = list(problems_of(g)) + self.lease_problems(g.uuid)
+            d["memory_leases"] = self.lease_budget(g.uuid)
             for m in d["mig_devices"]:
                 m["cuda_ordinal"] = self.ordinals.get(m["uuid"])
             gpus.append(d)
@@ -133,6 +136,38 @@ class View:
         if self.visibility_error is not None:
             notes.append(self.visibility_error.render())
         return {"host": self.host.to_dict(), "gpus": gpus, "notes": notes}
+
+
+    def lease_problems(self, uuid: str) -> list[str]:
+        """Memory leases past their memory on this GPU, as `ls` flags them."""
+        if self.memory is None:
+            return []
+        return [f"LEASE_MEMORY_EXCEEDED: {o.short()}" for o in self.memory.overuses
+                if o.uuid == uuid]
+
+    def lease_budget(self, uuid: str) -> dict[str, Any] | None:
+        budget = None if self.memory is None else self.memory.budget_of(uuid)
+        if budget is None or not budget.memory_shares:
+            return None
+        return {"leases": len(budget.shares), "memory_leases": len(budget.memory_shares),
+                "leased_bytes": budget.leased_bytes, "room_bytes": budget.room_bytes,
+                "reserve_bytes": budget.reserve_bytes, "outside_bytes": budget.outside_bytes}
+
+
+def read_memory_leases(host: HostSnapshot) -> Any:
+    """The memory leases of this host's lease directory and what their processes use, from
+    ``host`` (already read); None when there is none, or the directory cannot be read."""
+    from gpuwarden.lease import list_leases
+    from gpuwarden.lease.guard import lease_memory_of
+
+    try:
+        table = list_leases()
+    except Exception:  # a lease directory this user may not read: ls lists the GPUs all the same
+        return None
+    if not any(c.is_memory for h in table.holders for c in h.claims):
+        return None
+    devices = [d for g in host.gpus for d in (g, *g.mig_devices)]
+    return lease_memory_of(devices, table.holders, table.reserve_bytes)
 
 
 def unique_prefix(uuid: str, uuids: Sequence[str], shortest: int = 12) -> str:
@@ -161,7 +196,8 @@ def read_view(inventory: Any, gpu_ids: Sequence[str] = (), user: str | None = No
     whole = [g.uuid for g in host.gpus]
     restricted = error is not None or list(ordinals) != whole
     gpus = filter_gpus(host.gpus, gpu_ids, user)
-    return View(host, gpus, ordinals, restricted, tuple(notes), error, cpu_pct)
+    return View(host, gpus, ordinals, restricted, tuple(notes), error, cpu_pct,
+                read_memory_leases(host))
 
 
 def filter_gpus(gpus: Sequence[GPUSnapshot], ids: Sequence[str], user: str | None
@@ -232,11 +268,13 @@ def render(view: View, width: int = DEFAULT_WIDTH) -> list[str]:
         problems = problems_of(g)
         if problems:
             extra[len(rows) - 1] = ["! " + "; ".join(problems)]
+        extra.setdefault(len(rows) - 1, []).extend(_lease_lines(view, g.uuid))
         for k, m in enumerate(g.mig_devices):
             rows.append(_gpu_row(view, m, f"{g.index}:{k}"))
             short = view.short_ids.get(m.uuid, m.uuid)
             if len(short) > MIG_ID_IN_ROW:  # uuids alike for long: said whole, under the row
                 extra[len(rows) - 1] = [f"id {short}"]
+            extra.setdefault(len(rows) - 1, []).extend(_lease_lines(view, m.uuid))
     table = _align(head, rows, width, flex=head.index("name"))
     lines.append(table[0])
     for i, line in enumerate(table[1:]):
@@ -248,6 +286,19 @@ def render(view: View, width: int = DEFAULT_WIDTH) -> list[str]:
         lines.append("")
         lines.extend(_align(["GPU", "pid", "user", "GPU mem", cpu_head, "host mem", "age",
                              "command"], procs, width, flex=7))
+    return lines
+
+
+def _lease_lines(view: View, uuid: str) -> list[str]:
+    """Under a GPU that memory leases share: what they hold and what is left; a `!` line for
+    each lease whose processes use more than it leased."""
+    budget = None if view.memory is None else view.memory.budget_of(uuid)
+    if budget is None or not budget.memory_shares:
+        return []
+    n = len(budget.shares)
+    lines = [f"leased {format_bytes(budget.leased_bytes)} to {n} lease{'s' if n != 1 else ''}, "
+             f"{format_bytes(budget.room_bytes)} left for memory leases"]
+    lines += [f"! {line}" for line in view.lease_problems(uuid)]
     return lines
 
 
@@ -455,6 +506,8 @@ def _long_gpu(view: View, g: GPUSnapshot, label: str) -> list[str]:
         out.append(f"  NVLink     {links}")
         for problem in h.problems():
             out.append(f"  !          {problem}")
+    for line in _lease_lines(view, g.uuid):
+        out.append(f"  {'!' if line.startswith('! ') else 'leases':<10} {line.removeprefix('! ')}")
     for p in g.processes:
         out.append(f"  process    pid {p.pid} {_user(p)}: GPU {_bytes(p.used_memory_bytes)}, "
                    f"host {_bytes(p.host_memory_rss_bytes)}, cpu {_cpu(p, view.cpu_pct)}, "

@@ -15,7 +15,7 @@ from functools import partial
 from types import FrameType
 from typing import Any
 
-from gpuwarden.cli._args import MAX_SLOTS_PER_GPU, add_simulate_arg, bounded_int
+from gpuwarden.cli._args import MAX_SLOTS_PER_GPU, add_simulate_arg, bounded_int, memory_size
 from gpuwarden.cli._output import note
 from gpuwarden.cli.select import add_constraint_args, constraints_from_args, wants_all
 from gpuwarden.errors import UsageError
@@ -31,6 +31,7 @@ from gpuwarden.procs import (
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LEFTOVER_GRACE_S = 2.0  # after the command exits: how long its leftovers get after SIGTERM
 VERIFY_S = 2.0  # how often the lease's files are checked while the command runs
+MEM_STOP_GRACE_S = 5.0  # --mem-enforce stop: SIGTERM to the command's group, SIGKILL after this
 
 
 def add_parser(sub: Any) -> None:
@@ -52,6 +53,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slots-each", type=bounded_int("--slots-each", 1, MAX_SLOTS_PER_GPU),
                    default=1, metavar="S",
                    help="slots to take on each leased GPU (default 1; K = the whole GPU)")
+    p.add_argument("--mem", type=memory_size("--mem"), default=None, metavar="SIZE",
+                   help="a memory lease: SIZE of one GPU (e.g. 20GiB), shared with other leases "
+                   "by memory and placed where it fits tightest; its processes' use is guarded "
+                   "(docs/leases.md, Memory leases). Not with --slots-per-gpu")
+    p.add_argument("--mem-enforce", choices=("warn", "stop"), default=None,
+                   help="with --mem, when the command and its children use more than SIZE: warn "
+                   "(default: name it on stderr, `ls`, `leases`, `status`) or stop (SIGTERM to "
+                   f"its process group, SIGKILL {MEM_STOP_GRACE_S:g} s later)")
+    p.add_argument("--mps-thread-pct", type=bounded_int("--mps-thread-pct", 1, 100),
+                   default=None, metavar="PCT",
+                   help="with --mem, where NVIDIA MPS runs: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for "
+                   "the command (the share of SMs it may use)")
     p.add_argument("--wait", metavar="DURATION", default=None,
                    help="wait in line this long for the GPUs, e.g. 30s, 10m, inf "
                    "(default: do not wait, exit 4 when they are not free)")
@@ -69,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from gpuwarden.cli import inventory_of
     from gpuwarden.lease import StatusPrinter, acquire
     from gpuwarden.lease._fs import lease_dir_choice
-    from gpuwarden.units import format_duration
+    from gpuwarden.units import format_bytes, format_duration
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -81,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slots-each {args.slots_each} is more than --slots-per-gpu "
                          f"{args.slots_per_gpu}", fix="--slots-each K of --slots-per-gpu K "
                          "takes whole GPUs; fewer share each GPU")
+    _check_memory_args(args)
     # Everything that can be checked now is, before any wait in line: a command that does not
     # exist, GPUs that are not there, a request no wait can serve.
     check_command(cmd)
@@ -99,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                             slots_per_gpu=args.slots_per_gpu, slots_each=args.slots_each,
                             wait=args.wait, label=label,
                             on_wait=None if args.quiet else printer, inventory=inventory,
-                            visible=visible)
+                            visible=visible, mem=args.mem)
     except KeyboardInterrupt:
         note(f"gpuwarden: interrupted after {format_duration(time.monotonic() - started)} "
              "waiting in line; nothing was leased and the command did not run")
@@ -109,10 +123,115 @@ def run(args: argparse.Namespace) -> int:
             slots = "" if args.slots_per_gpu == 1 else \
                 f" ({args.slots_each}/{args.slots_per_gpu} slots each)"
             waited = f" after {grant.waited_s:.1f}s in line" if grant.waited_s >= 0.1 else ""
-            note(f"gpuwarden: leased GPU {grant.visible_devices}{slots}{waited}: "
+            what = f"GPU {grant.visible_devices}" if not args.mem else \
+                f"{format_bytes(args.mem)} of GPU {grant.visible_devices}"
+            note(f"gpuwarden: leased {what}{slots}{waited}: "
                  f"CUDA_VISIBLE_DEVICES={grant.visible_devices}")
+            if args.mem:  # why this GPU and not another, in bytes
+                for state in grant.states:
+                    note(f"gpuwarden:   {state.line()}")
         env = {**os.environ, **grant.env, "GPUWARDEN_LEASE_ID": grant.holder_id}
-        return run_child(cmd, env, tick=partial(_report_tampering, grant, set()))
+        if args.mem and args.mps_thread_pct is not None:
+            from gpuwarden.mps import pinned_memory_env
+
+            env.update(pinned_memory_env(args.mem, len(grant.gpus),
+                                         thread_pct=args.mps_thread_pct))
+        watch = _LeaseWatch(grant, inventory, enforce=args.mem_enforce or "warn")
+        return run_child(cmd, env, tick=watch.tick, tick_s=watch.tick_s, on_start=watch.started)
+
+
+def _check_memory_args(args: argparse.Namespace) -> None:
+    if args.mem is None:
+        for flag, value in (("--mem-enforce", args.mem_enforce),
+                            ("--mps-thread-pct", args.mps_thread_pct)):
+            if value is not None:
+                raise UsageError(f"{flag} without --mem", fix=f"gpuwarden run --mem 20GiB {flag} "
+                                 f"{value} -- CMD")
+        return
+    if args.slots_per_gpu != 1 or args.slots_each != 1:
+        raise UsageError("--mem with --slots-per-gpu: a lease is memory or slots, not both",
+                         fix="--mem 6GiB shares a GPU by memory; --slots-per-gpu K in K equal "
+                         "slots")
+
+
+class _LeaseWatch:
+    """What `run` does while the command runs: check the lease's files every VERIFY_S and, for a
+    memory lease, poll the guard every POLL_S; with ``enforce="stop"``, end the command's group
+    when it uses more than its lease (SIGTERM, then SIGKILL after MEM_STOP_GRACE_S). Only the
+    group run started, while its leader is unreaped, is ever signalled."""
+
+    def __init__(self, grant: Any, inventory: Any, *, enforce: str) -> None:
+        from gpuwarden.lease.guard import POLL_S, MemoryGuard
+
+        self.grant = grant
+        self.enforce = enforce
+        self.guard = MemoryGuard(grant, inventory)
+        self.tick_s = POLL_S if self.guard.active else VERIFY_S
+        self._reported: set[str] = set()
+        self._verified_at = time.monotonic()
+        self._pgid: int | None = None
+        self._kill_at: float | None = None
+        self._guard_error = ""
+
+    def started(self, pgid: int) -> None:
+        self._pgid = pgid
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._verified_at >= VERIFY_S or not self.guard.active:
+            self._verified_at = now
+            _report_tampering(self.grant, self._reported)
+        if self._kill_at is not None and now >= self._kill_at:
+            self._kill_at = None
+            self._signal(signal.SIGKILL)
+        if not self.guard.active:
+            return
+        report = self.guard.poll()
+        if report.error and report.error != self._guard_error:
+            note(f"gpuwarden: warning: the memory guard cannot read the GPUs: {report.error}")
+        self._guard_error = report.error
+        for over in report.new:
+            self._named(over)
+        for over in report.ended:
+            note(f"gpuwarden: note[LEASE_MEMORY_EXCEEDED]: back within its lease on GPU "
+                 f"{over.gpu_index}")
+
+    def _named(self, over: Any) -> None:
+        from gpuwarden.findings import render_plain
+        from gpuwarden.lease.guard import overuse_finding
+
+        stopping = ""
+        if self.enforce == "stop" and self._pgid is not None:
+            stopping = self._stop(over)
+        finding = overuse_finding(over, enforce=self.enforce, stopping=stopping,
+                                  detected_at=time.time())
+        note(render_plain(finding, head=f"gpuwarden: {finding.label}: {finding.what}"))
+
+    def _stop(self, over: Any) -> str:
+        assert self._pgid is not None
+        outside = [pid for pid, _b in over.pids if _group_of(pid) != self._pgid]
+        if self._kill_at is None:
+            self._signal(signal.SIGTERM)
+            self._kill_at = time.monotonic() + MEM_STOP_GRACE_S
+        said = (f"the command's process group {self._pgid}: SIGTERM, SIGKILL "
+                f"{MEM_STOP_GRACE_S:g} s later if it is still there")
+        if outside:
+            said += (f"; pid {', '.join(map(str, outside))} left that group and is not "
+                     "signalled (gpuwarden signals only the group it started)")
+        return said
+
+    def _signal(self, signum: int) -> None:
+        # The group's leader is our unreaped child while this runs: the group is ours.
+        if self._pgid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._pgid, signum)
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def check_command(cmd: Sequence[str]) -> None:
@@ -154,11 +273,36 @@ def _check_request(inventory: Any, constraints: Any, args: argparse.Namespace) -
         for line in vis.notes:
             note(f"gpuwarden: note: {line}")
     check_include(vis.gpus, constraints)
+    if args.mem:
+        _check_memory_fits(vis.gpus, args.mem)
     if args.wait is not None and not wants_all(args):
         problem = never_satisfiable(select(vis.gpus, constraints))
         if problem is not None:
             raise problem
     return vis.gpus
+
+
+def _check_memory_fits(gpus: Sequence[Any], memory_bytes: int) -> None:
+    """ConstraintError (exit 4) at once when no visible GPU could ever lend ``memory_bytes``:
+    no wait in line would serve it."""
+    from gpuwarden.errors import ConstraintError
+    from gpuwarden.lease._fs import lease_dir_path, prepared_config
+    from gpuwarden.lease.memory import DEFAULT_RESERVE_BYTES
+    from gpuwarden.units import format_bytes
+
+    config = prepared_config(lease_dir_path())
+    reserve = DEFAULT_RESERVE_BYTES if config is None or config.memory_reserve_bytes is None \
+        else config.memory_reserve_bytes
+    if not gpus or any(g.memory_total_bytes - reserve >= memory_bytes for g in gpus):
+        return
+    largest = max(gpus, key=lambda g: g.memory_total_bytes)
+    raise ConstraintError(
+        f"--mem {format_bytes(memory_bytes)}: no visible GPU can ever lend that much",
+        why=f"the largest, {largest.label}, has {format_bytes(largest.memory_total_bytes)} of "
+        f"which {format_bytes(reserve)} is kept out of memory leases",
+        fix=f"ask for at most {format_bytes(max(0, largest.memory_total_bytes - reserve))}, or "
+        "run where larger GPUs are visible",
+        evidence=[f"{g.label}: {format_bytes(g.memory_total_bytes)}" for g in gpus])
 
 
 def _report_tampering(grant: Any, reported: set[str]) -> None:
@@ -173,10 +317,12 @@ def _report_tampering(grant: Any, reported: set[str]) -> None:
 
 
 def run_child(cmd: Sequence[str], env: dict[str, str], *,
-              tick: Callable[[], None] | None = None) -> int:
+              tick: Callable[[], None] | None = None, tick_s: float = VERIFY_S,
+              on_start: Callable[[int], None] | None = None) -> int:
     """Run ``cmd`` in its own process group, forward signals to the group, wait, clean up.
 
-    ``tick`` is called every :data:`VERIFY_S` while the command runs.
+    ``tick`` is called every ``tick_s`` while the command runs; ``on_start`` with the
+    command's process group once it runs.
 
     The group is what makes "leave no process behind" hold for a shell script's children
     too; on a terminal it is made the foreground group, so Ctrl-C and terminal reads go to
@@ -195,8 +341,10 @@ def run_child(cmd: Sequence[str], env: dict[str, str], *,
             pgid = child.pid
             reaper.add(pgid)
             forwarder.target(pgid)
+            if on_start is not None:
+                on_start(pgid)
             with _foreground(pgid):
-                returncode = _wait_unreaped(child, tick)
+                returncode = _wait_unreaped(child, tick, tick_s)
                 # The command's exit is read without reaping it: its zombie keeps the pid,
                 # so its group's number cannot go to another process while we signal it.
                 _reap_group(pgid)
@@ -229,10 +377,12 @@ def _start(cmd: Sequence[str], env: dict[str, str], reaper_fd: int) -> subproces
                          f"(gpuwarden run -- sh {cmd[0]})") from exc
 
 
-def _wait_unreaped(child: subprocess.Popen[bytes], tick: Callable[[], None] | None) -> int:
+def _wait_unreaped(child: subprocess.Popen[bytes], tick: Callable[[], None] | None,
+                   tick_s: float = VERIFY_S) -> int:
     """``child``'s exit status once it exited, leaving it a zombie (``waitid(WNOWAIT)``);
-    ``tick`` every :data:`VERIFY_S` meanwhile. Woken by the child's pidfd, no polling."""
+    ``tick`` every ``tick_s`` meanwhile. Woken by the child's pidfd, no polling."""
     pidfd = -1
+    next_tick = time.monotonic() + tick_s
     with contextlib.suppress(OSError, AttributeError):
         pidfd = os.pidfd_open(child.pid)
     try:
@@ -241,13 +391,16 @@ def _wait_unreaped(child: subprocess.Popen[bytes], tick: Callable[[], None] | No
                 info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
                 if info is not None and info.si_pid:
                     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                timeout = VERIFY_S if tick is not None else None
+                timeout = tick_s if tick is not None else None
                 if pidfd >= 0:
                     ready, _, _ = select.select([pidfd], [], [], timeout)
                 else:  # no pidfd (Linux < 5.3): look again every 20 ms
                     time.sleep(0.02)
                     ready = [True]
+                    if tick is not None and time.monotonic() >= next_tick:
+                        ready = []
                 if not ready and tick is not None:
+                    next_tick = time.monotonic() + tick_s
                     tick()
             except KeyboardInterrupt:  # SIGINT is forwarded; a stray one must not orphan it
                 continue

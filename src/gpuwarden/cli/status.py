@@ -47,11 +47,12 @@ def add_parser(sub: Any) -> None:
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """The status document (what --json prints, what the views render)."""
     from gpuwarden.cli import inventory_of
-    from gpuwarden.jobs import add_gpu_memory, gpu_memory_by_pid, list_jobs
+    from gpuwarden.jobs import add_gpu_memory, add_memory_leases, gpu_memory_by_pid, list_jobs
 
     table = list_jobs()
     if any(j.launch for j in table.jobs):
         add_gpu_memory(table, gpu_memory_by_pid(inventory_of(args)))
+    add_memory_leases(table, inventory_of(args))
     doc = table.to_dict()
     if args.job is not None:
         doc["jobs"] = [j for j in doc["jobs"] if _matches(j, args.job)]
@@ -125,7 +126,8 @@ def _phase(row: dict[str, Any]) -> str:
     if phase == "collective":
         return f"in {row.get('op') or 'a collective'}"
     if phase == "rendezvous":
-        return "in rendezvous"
+        diag = row.get("diagnosis") or {}
+        return f"in rendezvous ({diag['code']})" if diag.get("code") else "in rendezvous"
     if phase == "exited":
         from gpuwarden.procs import describe_exit
 
@@ -154,7 +156,7 @@ def build_view(doc: dict[str, Any]) -> list[Section]:
     sections = [head]
     for i, job in enumerate(jobs):
         launch = job.get("launch")
-        gpus = ",".join(str(g.get("index")) for g in job.get("gpus", [])) or "-"
+        gpus = ",".join(_gpu_cell(g) for g in job.get("gpus", [])) or "-"
         state = "-"
         if launch is not None:
             flags = []
@@ -164,9 +166,13 @@ def build_view(doc: dict[str, Any]) -> list[Section]:
                 flags.append("stall suspected")
             if launch.get("straggler"):
                 flags.append(f"straggler: rank {launch['straggler']['rank']}")
+            if job.get("findings"):
+                flags.append("over its memory lease")
             state = "; ".join(flags) or "running"
             if launch.get("nnodes", 1) > 1:
                 state = f"node {launch.get('node_rank')}/{launch.get('nnodes')}; {state}"
+        elif job.get("findings"):
+            state = "over its memory lease"
         elif job.get("private"):
             state = "(another user's job)"
         elif job.get("note"):
@@ -178,6 +184,10 @@ def build_view(doc: dict[str, Any]) -> list[Section]:
         if launch is not None and (launch.get("straggler") or (launch.get("stall") or {}).get(
                 "suspected")):
             head.marked.add(i)
+        for finding in job.get("findings", []):
+            head.marked.add(i)
+            head.lines.append(("bold yellow", f"{job['id']}: warning[{finding.get('code')}]: "
+                               f"{escape_untrusted(str(finding.get('what')), 600)}"))
         if launch is not None:
             sections.append(_job_section(job, launch))
         elif job.get("mine") and "did not answer" in (job.get("note") or ""):
@@ -185,6 +195,18 @@ def build_view(doc: dict[str, Any]) -> list[Section]:
     if not jobs:
         head.lines.append(("dim", "no gpuwarden job runs on this host"))
     return sections
+
+
+def _gpu_cell(gpu: dict[str, Any]) -> str:
+    """'0', or '0 (12.0/20.0 GiB)' for a memory lease: what its processes use of it."""
+    index = str(gpu.get("index"))
+    leased = gpu.get("memory_bytes")
+    if not isinstance(leased, int):
+        return index
+    used = gpu.get("used_bytes")
+    shown = format_bytes(leased) if not isinstance(used, int) else \
+        f"{format_bytes(used).replace(' GiB', '')}/{format_bytes(leased)}"
+    return f"{index} ({shown})"
 
 
 def _job_section(job: dict[str, Any], launch: dict[str, Any]) -> Section:
@@ -208,6 +230,15 @@ def _job_section(job: dict[str, Any], launch: dict[str, Any]) -> Section:
                          escape_untrusted(str(row.get("where") or ""), WHERE_CHARS)])
         if row.get("rank") in odd:
             sec.marked.add(i)
+    stuck: dict[str, list[dict[str, Any]]] = {}
+    for row in launch.get("ranks", []):
+        if (row.get("diagnosis") or {}).get("code"):
+            stuck.setdefault(str(row["diagnosis"]["code"]), []).append(row)
+    for code, rows in stuck.items():
+        diag = rows[0]["diagnosis"]
+        sec.lines.append(("bold red", escape_untrusted(
+            f"rank(s) {_ranks([r.get('rank') for r in rows])} in rendezvous: {code}: "
+            f"{diag.get('what')}; rank {rows[0].get('rank')} printed: {diag.get('line')}", 600)))
     if straggler:
         sec.lines.append(("bold yellow", f"straggler: {escape_untrusted(straggler.get('text', ''), 600)}"))
     if stall:

@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="cap PyTorch's allocator in each worker at F of its GPU "
                    "(torch.cuda.set_per_process_memory_fraction), e.g. 0.45 with K=2")
+    p.add_argument("--mem-per-worker", default=None, metavar="SIZE",
+                   help="lease K x SIZE of each GPU (a memory lease, shared with other leases "
+                   "of the host by memory) instead of the whole GPU, e.g. 6GiB")
     p.add_argument("--wait", default=None, metavar="DURATION",
                    help="wait in line this long for the GPUs, e.g. 10m, inf (default: exit 4 "
                    "when they are not free)")
@@ -115,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
     options = WorkerOptions(
         args.scheduler, _gpus(args.gpus), args.workers_per_gpu,  # type: ignore[arg-type]
         min_free=args.min_free, memory_fraction=args.memory_fraction, wait=args.wait,
+        mem_per_worker=args.mem_per_worker,
         cpu=args.cpu, nthreads=args.nthreads, listen_host=args.host,
         allow_shared=args.allow_shared, name=args.name,
         connect_timeout_s=_duration(args.connect_timeout, "--connect-timeout"),

@@ -53,6 +53,9 @@ class WorkerOptions:
     workers_per_gpu: int = 1
     min_free: str | int | None = None
     memory_fraction: float | None = None
+    # A memory lease of workers_per_gpu times this on each GPU, shared with other leases,
+    # instead of the whole GPU (None: whole GPUs).
+    mem_per_worker: str | int | None = None
     wait: str | float | None = None
     cpu: bool = False
     nthreads: int = 1
@@ -78,6 +81,10 @@ class WorkerOptions:
                 raise UsageError(f"{what}={value!r}: must be 1 or more",
                                  fix=f"{what}=1 or more (--{what.replace('_', '-')} on the "
                                  "command line)")
+        if self.mem_per_worker is not None:
+            from gpuwarden.lease.grant import make_request
+
+            make_request(1, mem=self.mem_per_worker)  # UsageError for a bad size
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise UsageError(f"memory_fraction={self.memory_fraction}: must be in (0, 1]",
                              fix="e.g. 0.45 for two workers per GPU")
@@ -133,11 +140,21 @@ def lease_for_workers(options: WorkerOptions, on_wait: Any = None) -> LeasedHost
         raise NoGPUError("no GPU is visible to this process",
                          fix="check CUDA_VISIBLE_DEVICES / the Slurm allocation, or --cpu for "
                          "CPU workers (testing)")
-    grant = acquire(options.gpus, slots_per_gpu=options.workers_per_gpu,
-                    slots_each=options.workers_per_gpu, min_free=options.min_free,
-                    wait=options.wait, visible=visible, on_wait=on_wait,
-                    constraints=Constraints(count=1, allow_shared=options.allow_shared),
-                    label=options.label or f"gpuwarden worker {options.scheduler_address}")
+    label = options.label or f"gpuwarden worker {options.scheduler_address}"
+    if options.mem_per_worker is not None:
+        from gpuwarden.lease.grant import make_request
+
+        per_worker = make_request(1, mem=options.mem_per_worker).memory_bytes
+        grant = acquire(options.gpus, mem=options.workers_per_gpu * per_worker,
+                        min_free=options.min_free, wait=options.wait, visible=visible,
+                        on_wait=on_wait, label=label,
+                        constraints=Constraints(count=1, allow_shared=options.allow_shared))
+    else:
+        grant = acquire(options.gpus, slots_per_gpu=options.workers_per_gpu,
+                        slots_each=options.workers_per_gpu, min_free=options.min_free,
+                        wait=options.wait, visible=visible, on_wait=on_wait,
+                        constraints=Constraints(count=1, allow_shared=options.allow_shared),
+                        label=label)
     return LeasedHost(host_snapshot.hostname, tuple(grant.gpus), grant.release,
                       grant.visible_devices)
 

@@ -34,7 +34,7 @@ def evaluate(facts: Facts, opts: Options) -> list[Check]:
         local_gpus = min(local_gpus, opts.nproc)
     return [
         *gpu_checks(facts.host, facts.host_error, facts.torch, facts.env, opts.nproc, vis,
-                    facts.cuda_driver),
+                    facts.cuda_driver, facts.mps),
         *host_checks(facts.shm, facts.nofile, facts.env, facts.torch, local_gpus),
         *net_checks(facts.hostname, facts.hostname_resolution, facts.rendezvous,
                     facts.interfaces, facts.env, opts.nnodes),

@@ -12,6 +12,7 @@ from gpuwarden.doctor.model import Check, Status, check
 from gpuwarden.doctor.probes import CudaDriverInfo, TorchInfo
 from gpuwarden.errors import GpuwardenError, VisibilityError
 from gpuwarden.inventory.snapshot import ComputeMode, GPUSnapshot, HostSnapshot
+from gpuwarden.mps import MpsState
 from gpuwarden.select import Constraints, Refusal, select
 from gpuwarden.units import format_bytes
 from gpuwarden.visibility import Visibility, parse_visibility
@@ -365,11 +366,14 @@ def check_cuda_system_ready(host: HostSnapshot | None, driver: CudaDriverInfo | 
 def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, torch: TorchInfo,
                env: Mapping[str, str], nproc: int | None,
                vis: Visibility | VisibilityError | None,
-               driver: CudaDriverInfo | None = None) -> list[Check]:
+               driver: CudaDriverInfo | None = None, mps: MpsState | None = None
+               ) -> list[Check]:
     """The GPU checks; *vis* is :func:`visibility_of` the host (None without one), *driver*
-    the CUDA driver's answer to cuInit (None when nobody asked it)."""
+    the CUDA driver's answer to cuInit (None when nobody asked it), *mps* whether NVIDIA MPS
+    runs (None: not looked at)."""
     gpus = _visible(vis)
     ready = check_cuda_system_ready(host, driver, torch)
+    extra = [] if mps is None else [check_mps(mps, gpus)]
     return [
         check_driver(host, host_error, torch),
         ready,
@@ -380,7 +384,35 @@ def gpu_checks(host: HostSnapshot | None, host_error: GpuwardenError | None, tor
         check_processes(gpus),
         check_mig(gpus),
         check_nproc(gpus, nproc),
+        *extra,
     ]
+
+
+def check_mps(mps: MpsState, gpus: Sequence[GPUSnapshot] | None) -> Check:
+    """Whether NVIDIA MPS runs: then the driver holds a memory lease's process to its lease
+    (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, set by `gpuwarden run --mem`); else only gpuwarden's
+    guard watches it."""
+    cid, code = "mps", "LEASE_MEMORY_EXCEEDED"
+    if not mps.running:
+        return check(cid, code, OK, "MPS is not running: a memory lease (`run --mem`) is "
+                     "watched by gpuwarden's guard, not enforced by the driver",
+                     evidence=[mps.detail], fields={"running": False,
+                                                    "pipe_dir": str(mps.pipe_dir)})
+    exclusive = [g for g in gpus or () if g.compute_mode.is_exclusive]
+    evidence = [mps.describe()]
+    if exclusive:
+        labels = ", ".join(g.label for g in exclusive)
+        return check(cid, code, WARN, f"MPS is up, and {labels} run in an exclusive compute "
+                     "mode: memory leases refuse exclusive GPUs",
+                     why="a memory lease shares a GPU between processes; gpuwarden judges an "
+                     "exclusive GPU by its one process (the MPS server) and refuses it",
+                     fix="run MPS with the default compute mode (nvidia-smi -c DEFAULT) to share "
+                     "GPUs by memory leases, or lease those GPUs whole",
+                     evidence=evidence, fields={"running": True, "pid": mps.pid})
+    return check(cid, code, OK, "MPS is up: memory leases get CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "
+                 "so the driver holds each leased process to its lease",
+                 evidence=evidence, fields={"running": True, "pid": mps.pid,
+                                            "pipe_dir": str(mps.pipe_dir)})
 
 
 def check_cuda_runtime(host: HostSnapshot | None, vis: Visibility | VisibilityError | None,

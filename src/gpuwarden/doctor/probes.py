@@ -26,6 +26,7 @@ from typing import Any
 from gpuwarden import net
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.inventory.snapshot import HostSnapshot
+from gpuwarden.mps import MpsState, mps_state
 
 TORCH_TIMEOUT_S = 20.0
 NET_TIMEOUT_S = 3.0
@@ -326,6 +327,7 @@ class Probes:
     read_shm: Callable[[], ShmInfo | None] = read_shm
     read_nofile: Callable[[], tuple[int, int]] = read_nofile
     hostname: Callable[[], str] = socket.gethostname
+    read_mps: Callable[[Mapping[str, str]], MpsState] = mps_state
 
 
 @dataclass(frozen=True)
@@ -367,6 +369,7 @@ class Facts:
     rendezvous: RendezvousFacts
     # cuInit's answer (None: no GPU host to ask, or a scenario that states none)
     cuda_driver: CudaDriverInfo | None = None
+    mps: MpsState | None = None
 
 
 def _rendezvous(opts: Options, probes: Probes, interfaces: Future[dict[str, tuple[str, ...]]]
@@ -443,4 +446,5 @@ def gather(opts: Options, probes: Probes) -> Facts:
                      shm=shm, nofile=nofile, hostname=hostname,
                      hostname_resolution=hostres_f.result(), interfaces=ifaces_f.result(),
                      rendezvous=rdzv_f.result(),
-                     cuda_driver=driver_f.result() if driver_f is not None else None)
+                     cuda_driver=driver_f.result() if driver_f is not None else None,
+                     mps=probes.read_mps(opts.env))

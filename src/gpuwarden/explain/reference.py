@@ -135,6 +135,13 @@ def _raised_as() -> dict[str, list[type[errors.GpuwardenError]]]:
     return found
 
 
+# Codes reported by other commands than the generic text names.
+_REPORTED_BY = {
+    "LEASE_MEMORY_EXCEEDED": "reported, not raised: by the lease holder (`gpuwarden run`, "
+    "`launch`, a pool) on its stderr, and by `gpuwarden ls`, `leases` and `status`",
+}
+
+
 def failure_codes_markdown(kb: KnowledgeBase | None = None) -> str:
     """The text of docs/failure-codes.md for ``kb`` (default: the shipped knowledge base)."""
     kb = kb or load_knowledge()
@@ -167,8 +174,8 @@ def failure_codes_markdown(kb: KnowledgeBase | None = None) -> str:
     for code, text in own.items():
         classes = raised.get(code, [])
         how = ", ".join(f"`{c.__name__}` ({c.exit_code})" for c in classes) or \
-            "reported, not raised: by `gpuwarden launch`, `gpuwarden doctor` or the Dask " \
-            "scheduler plugin"
+            _REPORTED_BY.get(code, "reported, not raised: by `gpuwarden launch`, `gpuwarden "
+                             "doctor` or the Dask scheduler plugin")
         out.append(f"| {code} | {_cell(text)} | {how} |")
     also = sorted(c for c in raised if c not in own and c != "INTERNAL")
     out += ["", "Errors raised with a code of the failures above: "

@@ -12,7 +12,7 @@ a CUDA context.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
@@ -85,6 +85,18 @@ class Inventory:
     def read_host(self) -> HostSnapshot:
         """Every GPU of the host. Raises NoGPUError (exit 3) when NVML is unavailable."""
         return self.backend.read_host()
+
+    def read_memory(self, uuids: Collection[str] | None = None) -> tuple[GPUSnapshot, ...]:
+        """The devices ``uuids`` (GPUs or MIG instances, every one when None) with their memory
+        and the memory of each process on them: what the memory guard polls. A backend with a
+        cheaper read than ``read_host`` (NVML: three calls per device, no process lookups)
+        gives it; the others' ``read_host`` is used."""
+        read = getattr(self.backend, "read_memory", None)
+        if read is not None:
+            return tuple(read(uuids))
+        host = self.backend.read_host()
+        devices = [d for g in host.gpus for d in (g, *g.mig_devices)]
+        return tuple(d for d in devices if uuids is None or d.uuid in uuids)
 
     def visibility(self) -> tuple[HostSnapshot, Visibility]:
         """The host, and what CUDA_VISIBLE_DEVICES / Slurm leave of it (with notes)."""

@@ -35,7 +35,7 @@ import ctypes
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import SimpleNamespace
 from typing import Any
 
@@ -232,6 +232,53 @@ class NvmlBackend:
                  ) -> None:
         self._session = _default_session if nvml is None else _Session(nvml)
         self._nested = nested_pid_namespace
+        # uuid -> (index, handle, parent uuid): what read_memory polls, found once.
+        self._devices: dict[str, tuple[int, Any, str | None]] | None = None
+
+    def read_memory(self, uuids: Collection[str] | None = None) -> tuple[GPUSnapshot, ...]:
+        """The memory of the devices ``uuids`` (GPUs or MIG instances; every one when None) and
+        each process's on them: the guard's poll, three NVML calls per device (memory, compute
+        and graphics processes), no /proc lookup, no health reading. Processes carry pid, memory
+        and context only."""
+        s = self._session
+        nvml = s.ensure_init()
+        try:
+            devices = self._device_handles()
+            reader = _Reader(s, True)
+            out = []
+            for uuid, (index, handle, parent) in devices.items():
+                if uuids is not None and uuid not in uuids:
+                    continue
+                mem = s.required("nvmlDeviceGetMemoryInfo", handle)
+                out.append(GPUSnapshot(
+                    index=index, uuid=uuid, name="", pci_bus_id="",
+                    memory_total_bytes=int(mem.total), memory_used_bytes=int(mem.used),
+                    utilization_gpu_pct=None, compute_mode=ComputeMode.DEFAULT,
+                    mig_enabled=False, processes=reader.bare_processes(handle),
+                    mig_parent_uuid=parent))
+        except nvml.NVMLError as exc:
+            self._devices = None  # a GPU lost or reset: find the handles again next time
+            raise NVMLError(f"NVML failed to read GPU memory: {exc}",
+                            fix="check `nvidia-smi`") from exc
+        return tuple(out)
+
+    def _device_handles(self) -> dict[str, tuple[int, Any, str | None]]:
+        if self._devices is None:
+            s = self._session
+            found: dict[str, tuple[int, Any, str | None]] = {}
+            for index in range(int(s.required("nvmlDeviceGetCount"))):
+                handle = s.required("nvmlDeviceGetHandleByIndex", index)
+                uuid = _text(s.required("nvmlDeviceGetUUID", handle))
+                found[uuid] = (index, handle, None)
+                mig_mode = s.optional("nvmlDeviceGetMigMode", handle)
+                if mig_mode and mig_mode[0] == self._session.nvml.NVML_DEVICE_MIG_ENABLE:
+                    for i in range(s.optional("nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
+                        mig = s.optional("nvmlDeviceGetMigDeviceHandleByIndex", handle, i)
+                        if mig is not None:
+                            found[_text(s.required("nvmlDeviceGetUUID", mig))] = (index, mig,
+                                                                                 uuid)
+            self._devices = found
+        return self._devices
 
     def read_host(self) -> HostSnapshot:
         s = self._session
@@ -418,6 +465,16 @@ class _Reader:
 
     def processes(self, handle: Any) -> tuple[GPUProcess, ...]:
         """Compute and graphics processes, one entry per pid (context says which)."""
+        return tuple(self._describe(pid, contexts, used)
+                     for pid, (contexts, used) in self._merged(handle).items())
+
+    def bare_processes(self, handle: Any) -> tuple[GPUProcess, ...]:
+        """:meth:`processes` without looking any of them up: pid, memory, context."""
+        return tuple(GPUProcess(pid, None, None, used, "compute+graphics" if len(contexts) == 2
+                                else next(iter(contexts)))
+                     for pid, (contexts, used) in self._merged(handle).items())
+
+    def _merged(self, handle: Any) -> dict[int, tuple[set[str], int | None]]:
         merged: dict[int, tuple[set[str], int | None]] = {}
         for context in ("compute", "graphics"):
             for p in self.running(handle, context) or ():
@@ -427,8 +484,7 @@ class _Reader:
                 contexts.add(context)
                 if known is None and used is not None:
                     merged[int(p.pid)] = (contexts, used)
-        return tuple(self._describe(pid, contexts, used)
-                     for pid, (contexts, used) in merged.items())
+        return merged
 
     def running(self, handle: Any, context: str) -> list[Any] | None:
         """nvmlDeviceGet{Compute,Graphics}RunningProcesses, newest version the driver has.

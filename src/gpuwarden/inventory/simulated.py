@@ -13,6 +13,8 @@ import json
 import math
 import os
 import re
+import time
+from collections.abc import Collection
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,8 @@ def resolve_scenario(value: str | Path) -> Path:
 
 
 class SimulatedBackend:
-    """Reads the scenario on every :meth:`read_host`, so a test may rewrite it between reads."""
+    """Reads the scenario on every :meth:`read_host`, so a test may rewrite it between reads;
+    processes with a ``timeline`` are read at the moment of each read (docs/scenarios.md)."""
 
     name = "simulated"
 
@@ -72,7 +75,65 @@ class SimulatedBackend:
     def read_host(self) -> HostSnapshot:
         path = resolve_scenario(self.path)
         shown = self.path.name if path.parent == SHIPPED_DIR else self.path
-        return parse_scenario(load_scenario(path), source=f"simulated:{shown}")
+        try:
+            written_at = path.stat().st_mtime
+        except OSError:
+            written_at = time.time()
+        return parse_scenario(load_scenario(path), source=f"simulated:{shown}",
+                              live=Live(path.parent, written_at))
+
+    def read_memory(self, uuids: Collection[str] | None = None) -> tuple[GPUSnapshot, ...]:
+        """The guard's read: memory and processes of the devices ``uuids`` (every device, MIG
+        instances too, when None). The same scenario, timelines and all, as read_host."""
+        return memory_view(self.read_host(), uuids)
+
+
+def memory_view(host: HostSnapshot, uuids: Collection[str] | None) -> tuple[GPUSnapshot, ...]:
+    """The devices ``uuids`` of ``host`` (GPUs and MIG instances alike), in host order."""
+    devices = [d for g in host.gpus for d in (g, *g.mig_devices)]
+    return tuple(d for d in devices if uuids is None or d.uuid in uuids)
+
+
+class Live:
+    """What a scenario's moving parts are read against: the time now, when a process started
+    (the kernel's), and which pid a pid file names. One per read of the scenario."""
+
+    def __init__(self, base_dir: Path, written_at: float, now: float | None = None) -> None:
+        self.base_dir = base_dir
+        self.written_at = written_at
+        self.now = time.time() if now is None else now
+
+    def pid_in_file(self, name: str) -> int | None:
+        path = Path(name) if os.path.isabs(name) else self.base_dir / name
+        try:
+            raw = read_regular(path, max_bytes=64)
+            pid = int(raw.strip())
+        except (OSError, InputRefused, ValueError):
+            return None
+        return pid if pid > 0 else None
+
+    def started_at(self, pid: int) -> float | None:
+        """When ``pid`` started, when it runs on this host (a zombie does not), else None."""
+        import psutil
+
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return float(proc.create_time())
+        except (psutil.Error, OSError):
+            return None
+
+    def who(self, pid: int) -> tuple[str | None, str | None]:
+        """(user, command line) of a live process on this host, as ``ls`` would show it."""
+        import psutil
+
+        try:
+            proc = psutil.Process(pid)
+            with proc.oneshot():
+                return proc.username(), " ".join(proc.cmdline()) or proc.name()
+        except (psutil.Error, OSError):
+            return None, None
 
 
 def load_scenario(path: str | Path) -> Any:
@@ -139,11 +200,16 @@ def _no_constant(text: str) -> float:
     raise _BadNumber(f"{text} is not a JSON number")
 
 
-def parse_scenario(data: Any, *, source: str = "simulated") -> HostSnapshot:
-    """Validate a decoded scenario and build the snapshot; raise ScenarioError naming the field."""
+def parse_scenario(data: Any, *, source: str = "simulated", live: Live | None = None
+                   ) -> HostSnapshot:
+    """Validate a decoded scenario and build the snapshot; raise ScenarioError naming the field.
+
+    ``live``: what timelines and pid files are read against (default: now, this directory,
+    the scenario written now)."""
+    live = live or Live(Path.cwd(), time.time())
     root = _Fields(data, "scenario")
     gpus_raw = root.get("gpus", list)
-    gpus = tuple(_parse_gpu(g, f"gpus[{i}]") for i, g in enumerate(gpus_raw))
+    gpus = tuple(_parse_gpu(g, f"gpus[{i}]", live) for i, g in enumerate(gpus_raw))
     seen: dict[int, str] = {}
     for gpu in gpus:
         if gpu.index in seen:
@@ -170,7 +236,7 @@ def _cuda_init(value: str | None) -> str | None:
     return value
 
 
-def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
+def _parse_gpu(raw: Any, where: str, live: Live) -> GPUSnapshot:
     f = _Fields(raw, where)
     index = f.get("index", int)
     uuid = f.get("uuid", str)
@@ -190,9 +256,11 @@ def _parse_gpu(raw: Any, where: str) -> GPUSnapshot:
             fix=f"use one of {allowed}",
         ) from None
     mig_enabled = f.get("mig_enabled", bool, default=False)
-    processes = _parse_processes(f.get("processes", list, default=[]), f"{where}.processes")
+    processes, moving = _parse_processes(f.get("processes", list, default=[]),
+                                         f"{where}.processes", live)
+    used = min(total, used + moving)
     migs = tuple(
-        _parse_mig(m, f"{where}.mig_devices[{i}]", index=index, parent=uuid)
+        _parse_mig(m, f"{where}.mig_devices[{i}]", index=index, parent=uuid, live=live)
         for i, m in enumerate(f.get("mig_devices", list, default=[]))
     )
     if migs and not mig_enabled:
@@ -258,41 +326,74 @@ def _parse_health(raw: dict[str, Any], where: str) -> GPUHealth:
     )
 
 
-def _parse_mig(raw: Any, where: str, *, index: int, parent: str) -> GPUSnapshot:
+def _parse_mig(raw: Any, where: str, *, index: int, parent: str, live: Live) -> GPUSnapshot:
     f = _Fields(raw, where)
     uuid = f.get("uuid", str)
     if not uuid.startswith("MIG-"):
         raise ScenarioError(f"{where}.uuid: {_short(uuid)} must start with 'MIG-'", fix=_FIX)
+    total = _memory(f, "memory_total")
+    processes, moving = _parse_processes(f.get("processes", list, default=[]),
+                                         f"{where}.processes", live)
     return GPUSnapshot(
         index=index,
         uuid=uuid,
         name=f.get("name", str, default="MIG instance"),
         pci_bus_id="",
-        memory_total_bytes=_memory(f, "memory_total"),
-        memory_used_bytes=_memory(f, "memory_used", default=0),
+        memory_total_bytes=total,
+        memory_used_bytes=min(total, _memory(f, "memory_used", default=0) + moving),
         utilization_gpu_pct=None,
         compute_mode=ComputeMode.DEFAULT,
         mig_enabled=False,
-        processes=_parse_processes(f.get("processes", list, default=[]), f"{where}.processes"),
+        processes=processes,
         mig_parent_uuid=parent,
     )
 
 
-def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
+def _parse_processes(raw: list[Any], where: str, live: Live
+                     ) -> tuple[tuple[GPUProcess, ...], int]:
+    """The processes now, and the memory the moving ones (a ``timeline`` or a ``pid_file``)
+    use now: the GPU's used memory is its ``memory_used`` plus that."""
     out = []
+    moving = 0
     for i, item in enumerate(raw):
-        f = _Fields(item, f"{where}[{i}]")
+        here = f"{where}[{i}]"
+        f = _Fields(item, here)
         used = _memory(f, "used_memory", default=None)
         rss = _memory(f, "host_memory_rss", default=None)
         context = f.get("context", str, default="compute")
         if context not in _CONTEXTS:
-            raise ScenarioError(f"{where}[{i}].context: {_short(context)} is not a context",
+            raise ScenarioError(f"{here}.context: {_short(context)} is not a context",
                                 fix=f"use one of {', '.join(_CONTEXTS)}")
+        timeline = _parse_timeline(f.get("timeline", list, default=None), f"{here}.timeline")
+        pid_file = f.get("pid_file", str, default=None)
+        if pid_file is not None and "pid" in f.data:
+            raise ScenarioError(f"{here}: give pid or pid_file, not both", fix=_FIX)
+        if pid_file is not None:
+            found = live.pid_in_file(pid_file)
+            started = None if found is None else live.started_at(found)
+            if found is None or started is None:
+                continue  # not started yet, or ended: NVML lists only live processes
+            pid = found
+        else:
+            pid = f.get("pid", int)
+            started = None  # a process of the scenario's own: its timeline runs from the file
+        user = f.get("user", str, default=None)
+        command = f.get("command", str, default=None)
+        if pid_file is not None and user is None and command is None:
+            user, command = live.who(pid)
+        if timeline is not None:
+            elapsed = live.now - (started if started is not None else live.written_at)
+            current = _at(timeline, elapsed, used)
+            if current is _EXITED:
+                continue
+            used = current
+        if (timeline is not None or pid_file is not None) and used:
+            moving += used
         out.append(
             GPUProcess(
-                pid=f.get("pid", int),
-                user=f.get("user", str, default=None),
-                command=f.get("command", str, default=None),
+                pid=pid,
+                user=user,
+                command=command,
                 used_memory_bytes=used,
                 context=context,
                 note=f.get("note", str, default=None),
@@ -301,7 +402,39 @@ def _parse_processes(raw: list[Any], where: str) -> tuple[GPUProcess, ...]:
                 elapsed_s=f.get("elapsed_s", float, default=None),
             )
         )
-    return tuple(out)
+    return tuple(out), moving
+
+
+_EXITED: Any = object()
+
+
+def _parse_timeline(raw: list[Any] | None, where: str) -> list[tuple[float, Any]] | None:
+    """``[{"at_s": 0, "used_memory_mib": 1024}, {"at_s": 3, "used_memory_mib": 25600},
+    {"at_s": 9, "exited": true}]`` as (at_s, bytes or _EXITED), in time order."""
+    if raw is None:
+        return None
+    points: list[tuple[float, Any]] = []
+    for i, item in enumerate(raw):
+        f = _Fields(item, f"{where}[{i}]")
+        at_s = f.get("at_s", float)
+        if f.get("exited", bool, default=False):
+            points.append((at_s, _EXITED))
+            continue
+        points.append((at_s, _memory(f, "used_memory")))
+    if any(b[0] < a[0] for a, b in zip(points, points[1:], strict=False)):
+        raise ScenarioError(f"{where}: at_s must not decrease from one point to the next",
+                            fix=_FIX)
+    return points
+
+
+def _at(points: list[tuple[float, Any]], elapsed_s: float, before: Any) -> Any:
+    """The timeline's value ``elapsed_s`` after its start; ``before`` until its first point."""
+    value = before
+    for at_s, point in points:
+        if at_s > elapsed_s:
+            break
+        value = point
+    return value
 
 
 _CONTEXTS = ("compute", "graphics", "compute+graphics")

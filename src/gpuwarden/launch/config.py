@@ -13,9 +13,16 @@ from gpuwarden.errors import UsageError
 
 DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 5.0
-# What torchrun gives its workers on one node (its agent's store host): a script that checks
-# MASTER_ADDR, or builds an init_method from it, sees the same.
-DEFAULT_MASTER_ADDR = "localhost"
+# MASTER_ADDR on one node is what torchrun gives its workers there (torch.distributed.run, checked
+# against torchrun 2.13 itself): its static rendezvous (--master-port or --rdzv-endpoint given)
+# hands them --master-addr, 127.0.0.1 by default; its c10d rendezvous (--standalone,
+# --rdzv-backend c10d, or neither --master-port nor an endpoint: torchrun turns that into c10d on
+# one node) hands them the node's own name, --local-addr or socket.getfqdn(). A script that
+# checks MASTER_ADDR, or builds an init_method from it, sees the same.
+STATIC_MASTER_ADDR = "127.0.0.1"
+# LaunchConfig.master_addr left to the host: this host's name as torch's c10d rendezvous gives
+# it, looked up before the plan (preflight.choose_master_addr).
+DEFAULT_MASTER_ADDR = ""
 DEFAULT_MONITOR_INTERVAL_S = 0.05
 # torchrun's --signals-to-handle default: each stops the job, passed on to every rank.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -59,13 +66,21 @@ class LaunchConfig:
     gpus: int | str | None = None
     cpu: bool = False
     share: bool = False
+    # CPU ranks far beyond the cores (CPU_RANKS_PER_CORE) are refused unless asked for: mpirun's
+    # --oversubscribe
+    oversubscribe: bool = False
     bind: str = ""  # "": "all", or "rank" with --share (CUDA refuses one GPU named twice)
     min_free_bytes: int = 0
     wait_s: float | None = None
+    # --mem-per-rank: a memory lease of this many bytes on each rank's GPU (0: whole GPUs), and
+    # what the launcher does when a rank's processes use more (--mem-enforce: warn or stop).
+    mem_per_rank_bytes: int = 0
+    mem_enforce: str = "warn"
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     keep_waiting: bool = False
     straggler_note: bool = True  # one stderr line when a straggler persists (launch/watch/straggler.py)
     grace_s: float = DEFAULT_GRACE_S
+    # "" (DEFAULT_MASTER_ADDR): this host's name, as torchrun's c10d rendezvous gives it
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None
     log_dir: str | None = None
@@ -102,6 +117,12 @@ class LaunchConfig:
     local_ranks_filter: frozenset[int] | None = None
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
+    # torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the tag of a tee'd stream's lines
+    # (${role_name}, ${rank}, ${local_rank}); None: "[<role><local rank>]:"
+    log_line_prefix_template: str | None = None
+    # torchrun's --numa-binding (node, socket, exclusive, core-complex): binds a rank to its GPU's
+    # NUMA node there; not applied here yet, and refused for CPU ranks (torchrun fails on them)
+    numa_binding: str | None = None
     signals_to_handle: tuple[str, ...] = STOP_SIGNALS
     rdzv_id: str | None = None
 
@@ -134,6 +155,12 @@ class LaunchConfig:
         return self.gpus if isinstance(self.gpus, int) else None
 
 
+# A CPU world is refused beyond this many ranks per core (never below MIN_CPU_RANK_LIMIT) unless
+# --oversubscribe: each rank is an interpreter that imports torch (seconds of CPU and ~300 MB
+# each); 999 ranks on 2 cores started 121 of them before anyone could stop it.
+CPU_RANKS_PER_CORE = 4
+MIN_CPU_RANK_LIMIT = 16
+
 # More ranks than one node runs: the largest nodes have a few hundred cores and 72 GPUs, and
 # every rank is a process with its own pipes and files in the supervisor.
 MAX_RANKS_PER_NODE = 1024
@@ -160,6 +187,16 @@ def _validate(c: LaunchConfig) -> None:
             f"-n {c.nproc} and --gpus {c.gpus} disagree: gpuwarden runs one rank per GPU",
             fix=f"give only one of them, or --share to put {c.nproc} ranks on {c.gpus} GPU(s)",
         )
+    if c.mem_per_rank_bytes and (c.cpu or c.share):
+        raise UsageError(f"--mem-per-rank with {'--cpu' if c.cpu else '--share'}: a memory "
+                         "lease is a share of one GPU per rank",
+                         fix="drop one of them (--share puts ranks together on whole GPUs)")
+    if c.mem_enforce not in ("warn", "stop"):
+        raise UsageError(f"--mem-enforce {c.mem_enforce!r} is not 'warn' or 'stop'",
+                         fix="--mem-enforce warn (name it) or stop (end the job)")
+    if c.mem_enforce == "stop" and not c.mem_per_rank_bytes:
+        raise UsageError("--mem-enforce without --mem-per-rank",
+                         fix="gpuwarden launch --mem-per-rank 20GiB --mem-enforce stop ...")
     if c.bind not in ("rank", "all"):
         raise UsageError(f"--bind {c.bind!r} is not 'rank' or 'all'", fix="--bind all (default) or rank")
     if c.bind == "all" and c.share:

@@ -87,6 +87,9 @@ class RankExit:
     stderr_tail: list[str] = field(default_factory=list)
     killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
     torch_error: TorchError | None = None  # what it recorded in TORCHELASTIC_ERROR_FILE
+    # Its last stderr lines when gpuwarden began stopping the job (what a stop signal makes a
+    # rank print, torch's C++ stack of an interrupted call, comes after and would push them out)
+    stderr_before_stop: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -138,6 +141,8 @@ class RunOutcome:
     stopped_for: str | None = None
     job_failure: dict[str, Any] | None = None  # the round's first failure, as the job's store has it
     own_record: dict[str, Any] | None = None  # this node's first failure, as offered to it
+    # stopped_for "memory" (--mem-enforce stop): the LEASE_MEMORY_EXCEEDED finding, as a dict
+    memory_stop: dict[str, Any] | None = None
 
 
 # ---- the report -------------------------------------------------------------------------------

@@ -185,7 +185,8 @@ def make_plan(
         "GROUP_WORLD_SIZE": str(config.nnodes),
         "ROLE_NAME": config.role,
         "ROLE_WORLD_SIZE": str(world),
-        "MASTER_ADDR": config.master_addr,
+        # The runner looks this host's name up (preflight.choose_master_addr) before planning.
+        "MASTER_ADDR": config.master_addr or "localhost",
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt if restart_count is None else restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
@@ -254,5 +255,5 @@ def make_plan(
                 f"ranks {', '.join(map(str, rs))} share {ranks[rs[0] - first].device_label} (--share): "
                 "NCCL refuses two ranks of one communicator on one GPU (NCCL_DUPLICATE_GPU), so "
                 "gpuwarden.distributed.init() uses gloo for them")
-    return LaunchPlan(config, tuple(ranks), config.master_addr, master_port, run_id, run_dir,
+    return LaunchPlan(config, tuple(ranks), common["MASTER_ADDR"], master_port, run_id, run_dir,
                       tuple(notes), config.nnodes, node_rank, log_run_dir, attempt)

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from gpuwarden.errors import ConstraintError, NoGPUError, PortInUseError
+from gpuwarden.errors import (
+    ConstraintError,
+    NoGPUError,
+    PortInUseError,
+    RendezvousError,
+    UsageError,
+)
 from gpuwarden.launch.config import LaunchConfig
 from gpuwarden.launch.plan import rank_count
 
@@ -28,6 +34,7 @@ class TakenGPUs:
     gpus: tuple[GPUSnapshot, ...]
     notes: tuple[str, ...] = ()
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    grant: Any = field(default=None, repr=False)  # the lease (a memory lease's guard reads it)
 
     def release(self) -> None:
         if self._release is not None:
@@ -44,7 +51,7 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     ranks (unless ``--share``), or when ``--wait`` ran out.
     """
     if config.cpu:
-        return TakenGPUs((), ("--cpu: ranks run on CPU (gloo)",))
+        return _on_cpu(config, "--cpu: ranks run on CPU (gloo)")
     from gpuwarden.inventory import Inventory
     from gpuwarden.select import Constraints, select
 
@@ -54,29 +61,65 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     except NoGPUError as exc:
         if config.gpus is not None:
             raise
-        return TakenGPUs((), (f"no GPU ({exc.what}): ranks run on CPU (gloo)",))
+        return _on_cpu(config, f"no GPU ({exc.what}): ranks run on CPU (gloo)")
     if not visible and config.gpus is None:
-        return TakenGPUs((), ("no GPU visible: ranks run on CPU (gloo)",))
+        return _on_cpu(config, "no GPU visible: ranks run on CPU (gloo)")
 
     from gpuwarden.lease.jobstep import same_slurm_job
 
+    # A memory lease shares its GPU: other processes there count by their memory (the lease
+    # manager's accounting), not as a reason to refuse it.
+    shared = bool(config.mem_per_rank_bytes)
     # Inside a Slurm job, its other steps' processes on these GPUs are the job's own use of
     # them, not a stranger's (`srun --overlap`: the steps of a job share its GPUs).
     ours = same_slurm_job(p.pid for g in visible for p in g.processes)
     probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes,
-                                        own_pids=ours))
+                                        allow_shared=shared, own_pids=ours))
     usable = len(probe.acceptable)
     world = rank_count(config, usable)
     want = config.explicit_gpu_count or world
     if config.share:
         want = min(want, max(usable, 1))
-    constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes, own_pids=ours)
+    constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes,
+                              allow_shared=shared, own_pids=ours)
     now = select(visible, constraints)
     if not now.satisfied and (not config.wait_s or want > len(visible)):
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
         # (no --wait) or ever (more GPUs than visible).
         raise _more_ranks_than_gpus(now.error(), world, want)
-    return _take_gpus(want, constraints, config, world, visible, inventory)
+    taken = _take_gpus(want, constraints, config, world, visible, inventory)
+    if config.numa_binding:
+        taken.notes = (*taken.notes, f"--numa-binding {config.numa_binding} is not applied: "
+                       "ranks run on every CPU this launch may use")
+    return taken
+
+
+def _on_cpu(config: LaunchConfig, note: str) -> TakenGPUs:
+    """The ranks run on CPU: refused, at once, when they are far more than the cores (unless
+    --oversubscribe); no GPU leased."""
+    from gpuwarden.launch.config import CPU_RANKS_PER_CORE, MIN_CPU_RANK_LIMIT
+    from gpuwarden.launch.plan import cpu_count
+
+    if config.numa_binding:
+        raise UsageError(
+            f"--numa-binding {config.numa_binding}: the ranks run on CPU, and torchrun binds "
+            "each rank to the NUMA node of its GPU",
+            why="torchrun asks CUDA for the rank's GPU and fails (exit 1; 'Torch not compiled "
+            "with CUDA enabled' with a CPU-only torch)",
+            fix="leave --numa-binding out, or run on GPUs (numactl --cpunodebind=N in front of "
+            "the launch binds the whole job)")
+    world = rank_count(config, 0)
+    cores = cpu_count()
+    limit = max(MIN_CPU_RANK_LIMIT, CPU_RANKS_PER_CORE * cores)
+    if world > limit and not config.oversubscribe:
+        raise UsageError(
+            f"-n {world}: {world} CPU ranks on {cores} core(s), more than {limit} are refused "
+            f"({CPU_RANKS_PER_CORE} per core, at least {MIN_CPU_RANK_LIMIT})",
+            why="each rank is an interpreter that most often imports torch: starting and "
+            "stopping them would take the host minutes",
+            fix=f"fewer ranks (-n {cores}, or --nproc-per-node cpu: one per core), or "
+            "--oversubscribe to run them anyway")
+    return TakenGPUs((), (note,))
 
 
 def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world: int,
@@ -95,7 +138,8 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
             grant = acquire(count, min_free=config.min_free_bytes, wait=config.wait_s,
                             constraints=constraints, label=f"gpuwarden launch {config.target}",
                             visible=visible, inventory=inventory,
-                            on_wait=printer if config.wait_s else None)
+                            on_wait=printer if config.wait_s else None,
+                            mem=config.mem_per_rank_bytes or None)
     except ConstraintError as exc:
         from gpuwarden.lease.jobstep import blame_slurm_job
 
@@ -109,7 +153,13 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
         holders = ", ".join(f"pid {a.holder_pid}" for a in grant.allocations)
         notes = (f"GPU(s) {grant.visible_devices} shared with another step of Slurm job "
                  f"{grant.slurm_job} ({holders}), which holds them",)
-    return TakenGPUs(tuple(grant.gpus), notes, grant.release)
+    if config.mem_per_rank_bytes:
+        from gpuwarden.units import format_bytes
+
+        notes += (f"leased {format_bytes(config.mem_per_rank_bytes)} of GPU(s) "
+                  f"{grant.visible_devices}, one rank each (--mem-per-rank; --mem-enforce "
+                  f"{config.mem_enforce})",)
+    return TakenGPUs(tuple(grant.gpus), notes, grant.release, grant)
 
 
 def _more_ranks_than_gpus(exc: ConstraintError, world: int, count: int) -> ConstraintError:
@@ -121,6 +171,58 @@ def _more_ranks_than_gpus(exc: ConstraintError, world: int, count: int) -> Const
         "to put several ranks on one GPU (they then use gloo)",
         evidence=exc.evidence,
     )
+
+
+FQDN_TIMEOUT_S = 2.0  # this host's name, looked up as torch's rendezvous does (getfqdn)
+RESOLVE_TIMEOUT_S = 3.0  # an explicit MASTER_ADDR on one node
+
+
+def choose_master_addr(config: LaunchConfig) -> tuple[str, tuple[str, ...]]:
+    """MASTER_ADDR of a launch on one node, and notes: the address given (static rendezvous),
+    which must resolve here, at once (RendezvousError RDZV_DNS: PyTorch retries an unknown
+    name silently for its whole timeout, 30 minutes for gloo); else this host's own name, as
+    torchrun's c10d rendezvous gives it (--local-addr, else ``socket.getfqdn()``)."""
+    from gpuwarden import net
+
+    if config.master_addr:
+        _check_resolves(config.master_addr)
+        return config.master_addr, ()
+    if config.local_addr:
+        return config.local_addr, ()
+    name = net.host_fqdn(timeout_s=FQDN_TIMEOUT_S)
+    if name is None:
+        return "localhost", (f"this host's name did not resolve within {FQDN_TIMEOUT_S:g} s: "
+                             "MASTER_ADDR=localhost (torchrun would wait for the resolver and "
+                             "give its answer)",)
+    found = net.resolve(name, timeout_s=RESOLVE_TIMEOUT_S)
+    if not any(net.is_local_address(a) for a in found.addresses):
+        # torchrun would hand the ranks this name, and they would wait to connect to a host
+        # that is not this one (or to nothing) until their timeout
+        where = ", ".join(found.addresses) or found.error or "no address"
+        return "localhost", (f"this host's name {name} resolves to {where}, not to an address "
+                             "of this host: MASTER_ADDR=localhost (torchrun would give the name "
+                             "and its ranks would wait to connect)",)
+    return name, ()
+
+
+def _check_resolves(addr: str) -> None:
+    from gpuwarden import net
+    from gpuwarden.doctor.model import Status
+    from gpuwarden.doctor.net_checks import check_master_addr
+    from gpuwarden.doctor.probes import RendezvousFacts
+
+    resolution = net.resolve(addr, timeout_s=RESOLVE_TIMEOUT_S)
+    if resolution.ok:
+        return
+    # The doctor's words for the same fact (`gpuwarden doctor` and `explain` name it so too).
+    c = check_master_addr(RendezvousFacts(addr, None, None, resolution, False, None, None, None),
+                          1)
+    assert c.status is Status.FAIL
+    raise RendezvousError(c.what, why=c.why, fix="give --master-addr a name or address this host "
+                          "resolves (one node: this host's own), or leave --master-addr out: "
+                          "gpuwarden then gives the ranks this host's name, as torchrun",
+                          evidence=list(c.evidence), code=c.code,
+                          fields={"master_addr": addr, "error": resolution.error})
 
 
 def choose_port(config: LaunchConfig) -> int:

@@ -39,13 +39,20 @@ _SIGNAL_WHY = {
                 "the lines the rank printed before it died name the check that failed"),
     "SIGBUS": ("a bus error, usually shared memory (/dev/shm) running out under DataLoader or NCCL",
                "give the container more /dev/shm (--shm-size, --ipc=host) or use fewer workers"),
-    "SIGFPE": ("an arithmetic fault in native code", "see the stack below"),
+    "SIGFPE": ("an arithmetic fault in native code: an integer division by zero or overflow in "
+               "a C/C++/CUDA extension (a float division by zero gives inf, not a signal)",
+               "the Python stack at the crash is shown below: look for an index or size that "
+               "can be 0 in the call into the extension"),
+    "SIGILL": ("an illegal instruction: a library built for a newer CPU than this one (AVX2, "
+               "AVX-512, a -march=native build), or a corrupted binary",
+               "install a build for this CPU (`lscpu` lists its flags), or rebuild the extension "
+               "without -march=native"),
 }
 
 
 # Signals of a rank's own native code (RANK_NATIVE_CRASH), unless explain names the error the
 # rank aborted on; SIGKILL comes from outside (HOST_OOM_KILL, the scheduler).
-_NATIVE_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT"})
+_NATIVE_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL"})
 
 
 def exit_words(returncode: int) -> str:
@@ -60,6 +67,8 @@ def root_cause(exits: list[RankExit]) -> RankExit | None:
     making) seen within ECHO_WINDOW_S of it wins, else the rank that left (exit 0 included,
     e.g. ``os._exit(0)``) before it: the others failed because that rank was gone. The window
     absorbs the supervisor's view of an exit, a poll later than the peer's own error record.
+    Past the window the echo stays the first failure: a failure recorded later (its own
+    exception's time, not when it was reaped) cannot be what the echo heard.
     """
     failures = sorted((e for e in exits if e.failed and not e.stopped_by_launcher),
                       key=lambda e: (e.failed_at, e.rank))
@@ -85,6 +94,8 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
     job = outcome.job_failure
     if job is not None and job.get("by") != _job_by() and job.get("kind") != "membership":
         return _node_aborted_report(outcome)  # the job's first failure is another node's
+    if outcome.stopped_for == "memory" and outcome.memory_stop is not None:
+        return _memory_report(outcome, outcome.memory_stop)
     if outcome.stopped_for is not None and all(is_echo(e) for e in failures):
         return _node_aborted_report(outcome)  # another node failed first: say which
     root = root_cause(list(outcome.exits.values()))
@@ -95,16 +106,64 @@ def build_report(outcome: RunOutcome) -> LaunchReport:
     if outcome.stall is not None and not plan.config.keep_waiting:
         return stall_report(outcome, outcome.stall)
     if outcome.interrupted_by is not None:
-        signum = int(getattr(signal, outcome.interrupted_by, signal.SIGTERM))
-        return LaunchReport(
-            128 + signum, "LAUNCH_INTERRUPTED",
-            f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} rank(s)"
-            if len(outcome.pids) >= plan.world_size else
-            f"gpuwarden received {outcome.interrupted_by} while starting ranks and stopped the "
-            f"{len(outcome.pids)} of {plan.world_size} it had started",
-            evidence=[_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)])
+        return _interrupted_report(outcome)
     elapsed = outcome.ended_at - outcome.started_at
     return LaunchReport(0, None, f"{plan.world_size} rank(s) finished in {elapsed:.1f} s")
+
+
+def _interrupted_report(outcome: RunOutcome) -> LaunchReport:
+    """gpuwarden was asked to stop. When the ranks' own output says why they were stuck (a
+    rendezvous that retries an unknown MASTER_ADDR, a refused connection), the report says it:
+    an interrupt is often the user giving up on a job that waited silently."""
+    plan = outcome.plan
+    signum = int(getattr(signal, str(outcome.interrupted_by), signal.SIGTERM))
+    what = (f"gpuwarden received {outcome.interrupted_by} and stopped all {plan.world_size} "
+            "rank(s)" if len(outcome.pids) >= plan.world_size else
+            f"gpuwarden received {outcome.interrupted_by} while starting ranks and stopped the "
+            f"{len(outcome.pids)} of {plan.world_size} it had started")
+    evidence = [_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)]
+    stuck = _stuck_before_interrupt(outcome)
+    if stuck is None:
+        return LaunchReport(128 + signum, "LAUNCH_INTERRUPTED", what, evidence=evidence)
+    diag, ranks = stuck
+    who = _ranks_by_node(outcome, ranks)
+    why = (f"before the interrupt, rank(s) {who} were stuck: {diag.what} ({diag.code}); "
+           f"{diag.why}")
+    if diag.evidence:
+        line = escape_untrusted(diag.evidence[-1].text.strip(), 500)
+        evidence.append(f"matched in rank {ranks[0]}'s output: {line}")
+    fields: dict[str, Any] = {"stuck": {"code": diag.code, "ranks": ranks,
+                                        "explain": dict(diag.fields)}}
+    return LaunchReport(128 + signum, "LAUNCH_INTERRUPTED", what, why, diag.fix, evidence,
+                        fields=fields)
+
+
+def _stuck_before_interrupt(outcome: RunOutcome) -> tuple[Diagnosed, list[int]] | None:
+    """explain's diagnosis of the first rank whose last stderr lines name a known failure
+    (RANK_FAILED, a launcher's wrapping, is not one), and every rank whose lines say the same."""
+    found: Diagnosed | None = None
+    ranks: list[int] = []
+    for e in sorted(outcome.exits.values(), key=_by_rank):
+        tail = e.stderr_before_stop or e.stderr_tail
+        if not tail:
+            continue
+        diag = _explain("\n".join(tail))
+        if diag is None or diag.code == "RANK_FAILED":
+            continue
+        if found is None:
+            found = diag
+        if diag.code == found.code:
+            ranks.append(e.rank)
+    return None if found is None else (found, ranks)
+
+
+def _memory_report(outcome: RunOutcome, finding: dict[str, Any]) -> LaunchReport:
+    """--mem-enforce stop: the job was stopped because a rank used more than its lease."""
+    evidence = [str(e) for e in finding.get("evidence", [])]
+    evidence += [_rank_line(outcome, e) for e in sorted(outcome.exits.values(), key=_by_rank)]
+    return LaunchReport(1, "LEASE_MEMORY_EXCEEDED", f"stopped: {finding.get('what')}",
+                        why=finding.get("why"), fix=finding.get("fix"), evidence=evidence,
+                        fields=dict(finding.get("fields") or {}))
 
 
 def _job_by() -> str:

@@ -11,6 +11,7 @@ job's store; ``multinode/`` is imported only then.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -19,19 +20,21 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from gpuwarden.errors import UsageError
 from gpuwarden.launch.config import LaunchConfig, needs_log_files
 from gpuwarden.launch.observer.control import serve
 from gpuwarden.launch.outcome import Failure, LaunchReport, RunOutcome, Settled
 from gpuwarden.launch.plan import LaunchPlan, make_plan, rank_count
-from gpuwarden.launch.preflight import choose_port, take_gpus
+from gpuwarden.launch.preflight import choose_master_addr, choose_port, take_gpus
 from gpuwarden.launch.report import build_report, stall_report
 from gpuwarden.launch.supervisor import Supervisor
 
 # How long the node hosting the job's store keeps it up, at most, for nodes still ending (each
 # also stops being waited for once it has been silent NODE_LOST_S).
 _DONE_WAIT_S = 300.0
+TIDY_BUDGET_S = 1.0  # the empty error-file tree is removed within this, else left as torchrun's
 
 if TYPE_CHECKING:
     from gpuwarden.inventory import Inventory
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from gpuwarden.launch.multinode.node_agent import NodeAgent, Round
     from gpuwarden.launch.multinode.rendezvous import RendezvousPreflight
     from gpuwarden.launch.restart.policy import RestartPolicy
+    from gpuwarden.launch.watch.memory import MemoryWatch
     from gpuwarden.launch.watch.stall import Stall
 
 
@@ -58,6 +62,9 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
     err = stderr or sys.stderr
     own_dir = run_dir is None
     errors_only: str | None = None
+    addr_notes: tuple[str, ...] = ()
+    made_log_dir: str | None = None  # removed again if the launch ends before any rank ran
+    ran = False
     work = run_dir or tempfile.mkdtemp(prefix="gpuwarden-launch-")
     taken = None
     try:
@@ -73,15 +80,25 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
             pre = check_rendezvous(config, dict(os.environ), err=err)
             if pre.env:
                 config = replace(config, extra_env=(*config.extra_env, *pre.env.items()))
-        taken = take_gpus(config, inventory)
+        else:
+            # Before GPUs are leased too: a MASTER_ADDR that does not resolve is refused at once.
+            addr, addr_notes = choose_master_addr(config)
+            config = replace(config, master_addr=addr)
         run_id = config.run_id or _run_id(config)
+        # Before GPUs are leased: a --log-dir that cannot be made (read-only, /proc/x) is a
+        # one-line usage error that holds nothing.
         log_run_dir = _log_run_dir(config, run_id)
         if log_run_dir is None:
             # torch's error files go where torchrun puts them, a /tmp/torchelastic_* tree
             log_run_dir = errors_only = _error_file_dir(run_id)
-        notes = [*taken.notes]
+        else:
+            made_log_dir = log_run_dir
+        taken = take_gpus(config, inventory)
+        notes = [*addr_notes, *taken.notes]
+        memory = _memory_watch(config, taken, inventory)
         if log_run_dir != errors_only:
             notes.append(f"log directory: {log_run_dir}")
+        ran = True
         if agent is not None:
             assert pre is not None
             job = _MultiNode(config, agent, pre, run_id, len(taken.gpus), err)
@@ -93,7 +110,8 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
                                  log_run_dir=log_run_dir, argv=argv)
             for note in (*notes, *(plan.notes if attempt == 0 else ())):
                 print(f"gpuwarden: {note}", file=err)
-            return _supervise(plan, stdout, stderr, err, inherit_stdin=argv is None)
+            return _supervise(plan, stdout, stderr, err, inherit_stdin=argv is None,
+                              memory=memory)
 
         if not config.max_restarts:
             return run_attempt(0, 0, taken.gpus, tuple(notes))
@@ -109,6 +127,9 @@ def launch(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextIO
             shutil.rmtree(work, ignore_errors=True)
         if errors_only is not None:
             _drop_if_no_error_file(os.path.dirname(errors_only))
+        if made_log_dir is not None and not ran:
+            with contextlib.suppress(OSError):
+                os.rmdir(made_log_dir)  # empty: refused before a rank could write in it
 
 
 class _MultiNode:
@@ -270,10 +291,6 @@ def _attempt_plan(config: LaunchConfig, attempt: int, gpus: tuple[GPUSnapshot, .
                      run_dir=_attempt_dir(work, attempt), supervisor_pid=os.getpid(),
                      python=sys.executable, base_env=os.environ, log_run_dir=log_run_dir,
                      attempt=attempt, restart_count=restart_count, agent_store=agent_store)
-    for spec in plan.ranks:
-        # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
-        # torchrun's agent creates attempt_<k>/<local rank>/ for every rank, so does this
-        os.makedirs(os.path.dirname(spec.env["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
     if argv is not None:  # spawn(): every rank runs this command instead of the target
         plan = replace(plan, ranks=tuple(replace(r, argv=argv) for r in plan.ranks))
     return plan
@@ -295,11 +312,23 @@ def _attempt_dir(work: str, attempt: int) -> str:
     return path
 
 
+def _memory_watch(config: LaunchConfig, taken: Any, inventory: Inventory | None
+                  ) -> MemoryWatch | None:
+    """--mem-per-rank: the guard of the launch's memory lease (launch/watch/memory.py)."""
+    if not config.mem_per_rank_bytes or taken.grant is None:
+        return None
+    from gpuwarden.inventory import Inventory
+    from gpuwarden.launch.watch.memory import MemoryWatch
+
+    return MemoryWatch(taken.grant, inventory or Inventory.from_env(), config.mem_enforce)
+
+
 def _supervise(plan: LaunchPlan, stdout: TextIO | None, stderr: TextIO | None,
                err: TextIO, *, inherit_stdin: bool = True,
-               job: JobRound | None = None) -> tuple[LaunchReport, RunOutcome]:
+               job: JobRound | None = None,
+               memory: MemoryWatch | None = None) -> tuple[LaunchReport, RunOutcome]:
     supervisor = Supervisor(plan, stdout=stdout, stderr=stderr, inherit_stdin=inherit_stdin,
-                            job=job, serve=serve)
+                            job=job, serve=serve, memory=memory)
 
     def on_stall(stall: Stall) -> None:
         print(stall_report(supervisor.outcome(stall.detected_at), stall).render()
@@ -317,27 +346,55 @@ def _log_run_dir(config: LaunchConfig, run_id: str) -> str | None:
     if config.log_dir is None and not needs_log_files(config.redirects, config.tee, (
             *config.duplicate_stdout_filters, *config.duplicate_stderr_filters)):
         return None
-    base = config.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
-    os.makedirs(base, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
-    return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+    try:
+        base = config.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
+        os.makedirs(base, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+    except OSError as exc:
+        raise _unwritable(config.log_dir, exc) from exc
 
 
 def _error_file_dir(run_id: str) -> str:
     """Without --log-dir, torchrun's agent makes ``/tmp/torchelastic_<random>/<run id>_<random>``
     for its ranks' error files (TORCHELASTIC_ERROR_FILE): the same here."""
-    base = tempfile.mkdtemp(prefix="torchelastic_")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
-    return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+    try:
+        base = tempfile.mkdtemp(prefix="torchelastic_")
+        return tempfile.mkdtemp(prefix=f"{safe}_", dir=base)
+    except OSError as exc:
+        raise _unwritable(None, exc) from exc
 
 
-def _drop_if_no_error_file(base: str) -> None:
+def _unwritable(log_dir: str | None, exc: OSError) -> UsageError:
+    """A log directory that cannot be made: one line, exit 2 (it was a traceback, exit 1)."""
+    where = exc.filename if isinstance(exc.filename, str) else (log_dir or tempfile.gettempdir())
+    reason = exc.strerror or str(exc)
+    if log_dir is not None:
+        return UsageError(f"--log-dir {log_dir}: cannot create {where} ({reason})",
+                          fix="name a directory this user can write, e.g. --log-dir ./logs, "
+                          "or leave --log-dir out")
+    return UsageError(f"cannot create a directory for torch's error files under "
+                      f"{tempfile.gettempdir()}: {where} ({reason})",
+                      fix="point TMPDIR at a directory this user can write, or give --log-dir")
+
+
+def _drop_if_no_error_file(base: str, budget_s: float = TIDY_BUDGET_S) -> None:
     """Keep the error-file tree when a rank wrote an error file (the report names it), remove it
-    when it holds nothing but empty rank directories: torchrun leaves one behind on every run."""
-    for _dirpath, _dirs, files in os.walk(base):
+    when it holds nothing but empty rank directories: torchrun leaves one behind on every run.
+    Within ``budget_s``: a slow disk takes milliseconds per directory, and the job's end must
+    not wait on tidying (what is left is the empty tree torchrun would leave)."""
+    deadline = time.monotonic() + budget_s
+    dirs = []
+    for dirpath, _dirs, files in os.walk(base):
         if files:
             return
-    shutil.rmtree(base, ignore_errors=True)
+        dirs.append(dirpath)
+    for path in reversed(dirs):  # the deepest first
+        if time.monotonic() >= deadline:
+            return
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def _run_id(config: LaunchConfig) -> str:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from gpuwarden.boundedio import read_json_object
 from gpuwarden.launch.config import forwarded_signals, stop_signals
-from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome
+from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_echo
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
@@ -56,6 +56,7 @@ from gpuwarden.launch.watch.straggler import Straggler, decide_straggler
 if TYPE_CHECKING:
     from gpuwarden.launch.multinode.job_store import JobRound
     from gpuwarden.launch.multinode.peers import PeerFiles
+    from gpuwarden.launch.watch.memory import MemoryWatch
 
 REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
@@ -98,6 +99,7 @@ class _Rank:
         self.relay = relay
         self.exit: RankExit | None = None
         self.sampler: RankSampler | None = None  # once the bootstrap armed its stack handler
+        self.tail_at_stop: list[str] = []  # its last stderr lines when the stop began
 
 
 class Supervisor:
@@ -105,7 +107,8 @@ class Supervisor:
 
     def __init__(self, plan: LaunchPlan, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
                  poll_interval_s: float = 0.05, inherit_stdin: bool = True,
-                 job: JobRound | None = None, serve: Serve | None = None) -> None:
+                 job: JobRound | None = None, serve: Serve | None = None,
+                 memory: MemoryWatch | None = None) -> None:
         self.plan = plan
         # torchrun's ranks read the launcher's stdin (pdb, piped input); spawn()'s, as
         # multiprocessing's children, read nothing.
@@ -119,7 +122,9 @@ class Supervisor:
                               tee=self.config.tee, local_ranks_filter=self.config.local_ranks_filter,
                               quiet=self.config.quiet, attempt_dir=plan.attempt_dir,
                               duplicate_stdout_filters=self.config.duplicate_stdout_filters,
-                              duplicate_stderr_filters=self.config.duplicate_stderr_filters)
+                              duplicate_stderr_filters=self.config.duplicate_stderr_filters,
+                              role=self.config.role,
+                              prefix_template=self.config.log_line_prefix_template)
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
@@ -158,6 +163,9 @@ class Supervisor:
         self.straggler: Straggler | None = None  # the latest verdict (launch/watch/straggler.py)
         self._straggler_since: float | None = None
         self._straggler_said = False
+        # --mem-per-rank: the lease's memory guard (launch/watch/memory.py), polled in the loop
+        self._memory = memory if memory is not None and memory.active else None
+        self._memory_stop: dict[str, Any] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -186,7 +194,7 @@ class Supervisor:
         return RunOutcome(self.plan, self._started, now, exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
                           self._interrupt, self.peers, self._stopped_for, self._job_failure,
-                          self._own_record)
+                          self._own_record, self._memory_stop)
 
     def _start_ranks(self) -> None:
         """Start the plan's ranks. A stop signal (Ctrl-C, SIGTERM) ends the starting: the loop
@@ -205,6 +213,12 @@ class Supervisor:
                       flush=True)
 
     def _start(self, spec: RankSpec) -> None:
+        # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
+        # torchrun's agent creates attempt_<k>/<local rank>/ for each rank it starts, so does
+        # this (only for ranks started: a stop during a long start has only those to remove)
+        error_file = spec.env.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            os.makedirs(os.path.dirname(error_file), exist_ok=True)
         status = StatusReader(spec.files.status)
         for path in (spec.files.error, spec.files.stacks, spec.files.fatal,
                      sample_paths(spec.files.stacks)[1]):
@@ -233,6 +247,7 @@ class Supervisor:
     def _loop(self) -> None:
         next_sample = 0.0
         next_adopt = time.monotonic() + ADOPT_CHECK_S
+        next_memory = 0.0
         while True:
             self._pump(NOTICE_POLL_S if self._notices else self.poll_interval_s)
             if self._notices:
@@ -258,7 +273,10 @@ class Supervisor:
                         if st is not None and st.phase is Phase.FAILED:
                             self._failing.add(r.spec.rank)
                             failed = True
-                if self._interrupt is not None or failed:
+                if self._memory is not None and now >= next_memory and not failed:
+                    next_memory = now + self._memory.interval_s
+                    self._check_memory()
+                if self._interrupt is not None or failed or self._stopped_for == "memory":
                     self._begin_stop()
                 elif now >= next_sample:
                     next_sample = now + self.sample_interval_s
@@ -283,13 +301,15 @@ class Supervisor:
                 break
 
     def _begin_stop(self) -> None:
-        if self._interrupt is None:
+        if self._interrupt is None and self._may_be_an_echo():
             self._settle()
         self._stop_began = time.monotonic()
         # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
         sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
         for r in self.ranks:
+            if r.exit is None:
+                r.tail_at_stop = list(r.relay.stderr_tail)
             if r.exit is None and r.spec.rank not in self._failing:
                 self._signal(r, sig)
         self._offer_failure()  # after the signals: it may read the failure's text with explain
@@ -300,6 +320,27 @@ class Supervisor:
         if self._ctx is not None:
             self._ctx.signal_rank(r.proc, sig)
 
+    def _may_be_an_echo(self) -> bool:
+        """Whether the stop could be for an echo: a failure seen whose own words say a peer went
+        away, or a stop for anything but this node's failures (a stall, another node). Only
+        then is a rank that may be leaving on its own worth waiting for (_settle); a rank's
+        own error (a KeyError, exit code 3, a signal) stops the others at once, as torchrun's
+        next monitor tick would (it was 0.25 s later than needed on every failure)."""
+        failures = 0
+        for r in self.ranks:
+            if r.exit is not None:
+                if not r.exit.failed or r.exit.stopped_by_launcher:
+                    continue
+                failures += 1
+                if is_echo(r.exit):
+                    return True
+            elif r.spec.rank in self._failing:
+                failures += 1
+                message = str((read_json_object(r.spec.files.error) or {}).get("message", ""))
+                if echoes(" ".join([message, *list(r.relay.stderr_tail)[-5:]])):
+                    return True
+        return failures == 0
+
     def _settle(self) -> None:
         """Before the first signal: let a rank that is already ending finish ending. A process's
         sockets close before it can be reaped (memory and files go first), so its peer's
@@ -309,6 +350,17 @@ class Supervisor:
         while time.monotonic() < deadline:
             self._pump(0.02)
             self._reap_exited()
+
+    def _check_memory(self) -> None:
+        """A rank (with its children) using more GPU memory than the lease: named on stderr;
+        with --mem-enforce stop, the job stops for it (LEASE_MEMORY_EXCEEDED)."""
+        assert self._memory is not None
+        lines, stop = self._memory.check()
+        for line in lines:
+            print(line, file=self.err, flush=True)
+        if stop is not None and self._stopped_for is None:
+            self._stopped_for = "memory"
+            self._memory_stop = stop
 
     def _check_placement(self) -> None:
         """Ranks crowding one GPU (a script without set_device): say so once, with the fix."""
@@ -400,7 +452,8 @@ class Supervisor:
                 and r.spec.rank not in self._failing,
                 killed_by_launcher=self._killed and code == -signal.SIGKILL,
                 error=read_json_object(r.spec.files.error),
-                fatal_dump=read_fatal_dump(r.spec.files.fatal))
+                fatal_dump=read_fatal_dump(r.spec.files.fatal),
+                stderr_before_stop=r.tail_at_stop)
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.

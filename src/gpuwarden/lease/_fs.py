@@ -403,6 +403,8 @@ class PreparedConfig:
     max_slots_per_gpu: int
     gpus: tuple[str, ...]
     group: str | None
+    # What each GPU keeps out of memory leases (`leases init --mem-reserve`); None: the default.
+    memory_reserve_bytes: int | None = None
 
 
 def is_prepared(path: Path) -> bool:
@@ -456,7 +458,8 @@ def prepared_config(directory: Path) -> PreparedConfig | None:
                     schema=int(data.get("schema", 1)),
                     max_slots_per_gpu=int(data.get("max_slots_per_gpu", 8)),
                     gpus=tuple(str(g) for g in gpus) if isinstance(gpus, list) else (),
-                    group=data.get("group") if isinstance(data.get("group"), str) else None)
+                    group=data.get("group") if isinstance(data.get("group"), str) else None,
+                    memory_reserve_bytes=_reserve(data.get("memory_reserve_bytes")))
         except (OSError, ValueError, TypeError, AttributeError):
             config = None
         finally:
@@ -467,6 +470,12 @@ def prepared_config(directory: Path) -> PreparedConfig | None:
 
 
 _configs: dict[str, tuple[float, PreparedConfig | None]] = {}
+
+
+def _reserve(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 50:
+        return None
+    return value
 
 
 def hold_dir(directory: Path) -> int:

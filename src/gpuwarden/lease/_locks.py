@@ -10,6 +10,10 @@ Every claim is an ``fcntl`` record lock (``F_SETLK``), never a ``flock``:
 - byte ranges: one lock file per GPU holds every slot of every split of it. Slot ``s`` of a
   GPU split in ``K`` is byte ``K(K-1)/2 + s``; "is this GPU split some other way" is two
   ``F_GETLK`` calls over the bytes of every other K, with no file name involved;
+- read and write locks: a whole GPU is a write lock on byte 0 (slot 0 of K=1); every memory
+  lease on the GPU holds a *read* lock on that same byte, so the kernel itself keeps a whole-GPU
+  lease and memory leases apart (readers share, a writer excludes them all), while how many
+  bytes of memory each takes is in its holder record, summed under the directory mutex;
 - a process's POSIX locks are not inherited by ``fork`` and go when it exits, however it
   exits: the claim lives exactly as long as the process that took it.
 
@@ -36,13 +40,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import stat
 import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuwarden.boundedio import kind_of
@@ -99,9 +104,12 @@ def slot_offset(slots_per_gpu: int, slot: int) -> int:
 
 
 def slot_of_offset(offset: int) -> tuple[int, int]:
-    """(slots_per_gpu, slot) of a byte :func:`slot_offset` gave."""
-    k = 1
-    while slot_offset(k + 1, 0) <= offset:  # at most ~90 steps for any K gpuwarden accepts
+    """(slots_per_gpu, slot) of a byte :func:`slot_offset` gave (any byte: O(1), so a lock
+    someone took far out in a lock file costs nothing to name)."""
+    k = (1 + math.isqrt(1 + 8 * max(0, offset))) // 2  # the largest k with k(k-1)/2 <= offset
+    while slot_offset(k, 0) > offset:
+        k -= 1
+    while slot_offset(k + 1, 0) <= offset:
         k += 1
     return k, offset - slot_offset(k, 0)
 
@@ -136,7 +144,10 @@ class _Inode:
     dev: int
     ino: int
     fds: list[int]
-    held: dict[int, int]  # byte -> how many claims of this process hold it (1)
+    held: dict[int, int]  # byte -> how many claims of this process hold it (1): write locks
+    # byte -> how many claims of this process share a read lock on it (memory leases: one
+    # POSIX read lock per process and byte, however many grants of the process use it)
+    shared: dict[int, int] = field(default_factory=dict)
 
     @property
     def fd(self) -> int:
@@ -196,7 +207,7 @@ def _forget_unused(keep: tuple[int, int]) -> None:
     """Close inodes no path names any more and no claim holds (a replaced file's)."""
     named = set(_by_path.values())
     for ident, entry in list(_inodes.items()):
-        if ident != keep and ident not in named and not entry.held:
+        if ident != keep and ident not in named and not entry.held and not entry.shared:
             for fd in entry.fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -267,17 +278,31 @@ def check_regular(fd: int, path: Path, owner: int | None) -> os.stat_result:
 
 
 def held_here(entry: _Inode, start: int, length: int) -> bool:
-    """Whether this process holds a byte of ``[start, start+length)`` (length 0: to infinity)."""
+    """Whether this process holds a byte of ``[start, start+length)`` (length 0: to infinity),
+    a write or a shared (read) lock."""
     with _registry_lock:
         end = start + length if length else None
-        return any(b >= start and (end is None or b < end) for b in entry.held)
+        return any(b >= start and (end is None or b < end) for b in (*entry.held, *entry.shared))
+
+
+def written_here(entry: _Inode, byte: int) -> bool:
+    """Whether this process holds the write lock on ``byte``."""
+    with _registry_lock:
+        return byte in entry.held
+
+
+def shared_here(entry: _Inode, byte: int) -> int:
+    """How many claims of this process share the read lock on ``byte``."""
+    with _registry_lock:
+        return entry.shared.get(byte, 0)
 
 
 def try_take(entry: _Inode, byte: int) -> bool:
     """Take a write lock on ``byte`` without waiting; False when someone (this process
-    included) holds it."""
+    included, with a write or a read lock) holds it."""
     with _registry_lock:
-        if byte in entry.held:
+        # A write lock over our own read lock would convert it, not fail: refused here.
+        if byte in entry.held or byte in entry.shared:
             return False
         if not _set_lock(entry.fd, fcntl.F_WRLCK, byte, 1):
             return False
@@ -289,6 +314,33 @@ def give_back(entry: _Inode, byte: int) -> None:
     with _registry_lock:
         if entry.held.pop(byte, None) is None:
             return
+        with contextlib.suppress(OSError):
+            _set_lock(entry.fd, fcntl.F_UNLCK, byte, 1)
+
+
+def try_share(entry: _Inode, byte: int) -> bool:
+    """Take (or share) a read lock on ``byte`` without waiting; False when a write lock is on
+    it (another process's, or this process's own: a read lock would downgrade it). Counted per
+    claim: the process's one POSIX read lock goes with the last :func:`give_back_shared`."""
+    with _registry_lock:
+        if byte in entry.held:
+            return False
+        count = entry.shared.get(byte, 0)
+        if not count and not _set_lock(entry.fd, fcntl.F_RDLCK, byte, 1):
+            return False
+        entry.shared[byte] = count + 1
+        return True
+
+
+def give_back_shared(entry: _Inode, byte: int) -> None:
+    with _registry_lock:
+        count = entry.shared.get(byte, 0)
+        if count <= 0:
+            return
+        if count > 1:
+            entry.shared[byte] = count - 1
+            return
+        del entry.shared[byte]
         with contextlib.suppress(OSError):
             _set_lock(entry.fd, fcntl.F_UNLCK, byte, 1)
 

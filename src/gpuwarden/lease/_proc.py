@@ -101,3 +101,48 @@ def process_facts(pid: int) -> ProcessFacts:
         argv = [a.decode(errors="replace") for a in data.split(b"\0") if a]
         command = escape_untrusted(" ".join(argv), 80)
     return ProcessFacts(pid, user, command, is_stopped(pid))
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from /proc (0 for the top of a PID namespace), None when
+    unknown (gone, or not in this PID namespace)."""
+    if pid <= 0:
+        return None
+    data = _read_proc(f"/proc/{pid}/stat", 4096)
+    try:
+        return None if data is None else int(data[data.rindex(b")") + 2:].split()[1])
+    except (ValueError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (/proc/<pid>/stat field 22): with the pid,
+    what names one process for ever (a pid alone is reused)."""
+    data = _read_proc(f"/proc/{pid}/stat", 4096)
+    try:
+        return None if data is None else int(data[data.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+MAX_LINEAGE = 64  # ancestors followed at most (a chain of shells and launchers is short)
+
+
+def nearest_owner(pid: int, owners: frozenset[int] | set[int],
+                  parents: dict[int, int | None] | None = None) -> int | None:
+    """The first of ``pid`` itself and its ancestors (the kernel's parent links) that is in
+    ``owners``, None when none is. ``parents`` caches parent links for one batch of questions
+    (one attempt, one listing): a process's parent changes only when the parent dies."""
+    seen = 0
+    current: int | None = pid
+    while current is not None and current > 0 and seen < MAX_LINEAGE:
+        if current in owners:
+            return current
+        if parents is None:
+            current = parent_of(current)
+        else:
+            if current not in parents:
+                parents[current] = parent_of(current)
+            current = parents[current]
+        seen += 1
+    return None

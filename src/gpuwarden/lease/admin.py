@@ -55,10 +55,12 @@ class InitReport:
 
 
 def init_shared_dir(path: Path, uuids: Sequence[str], *, group: str | None = None,
-                    max_slots: int = DEFAULT_MAX_SLOTS) -> InitReport:
+                    max_slots: int = DEFAULT_MAX_SLOTS,
+                    memory_reserve_bytes: int | None = None) -> InitReport:
     """Create (or repair) the shared lease directory ``path`` for the GPUs ``uuids``.
 
-    Idempotent: run it again after adding GPUs or to allow more slots per GPU. A lock file
+    ``memory_reserve_bytes``: what each GPU keeps out of memory leases (None: the default,
+    1 GiB). Idempotent: run it again after adding GPUs or to allow more slots per GPU. A lock file
     some process holds right now is left as it is and reported (run again when it is free),
     and so is a root-owned name init would not have made (another link count or mode).
 
@@ -99,6 +101,8 @@ def init_shared_dir(path: Path, uuids: Sequence[str], *, group: str | None = Non
             getattr(report, _ensure_root_file(dfd, name, gid, file_mode)).append(name)
         marker = {"schema": _fs.PREPARED_SCHEMA, "created_at": time.time(), "group": group,
                   "max_slots_per_gpu": max_slots, "gpus": list(uuids)}
+        if memory_reserve_bytes is not None:
+            marker["memory_reserve_bytes"] = memory_reserve_bytes
         _write_root_file(dfd, _fs.PREPARED_NAME, json.dumps(marker).encode(), gid, marker_mode)
     finally:
         os.close(dfd)

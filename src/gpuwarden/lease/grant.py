@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 from gpuwarden.errors import UsageError
 from gpuwarden.lease import _fs, _locks
 from gpuwarden.lease.records import OwnedRecord, SlotClaim
-from gpuwarden.lease.status import describe_request
+from gpuwarden.lease.status import GpuState, describe_request
 from gpuwarden.select import Constraints
 from gpuwarden.units import parse_duration, parse_size
 from gpuwarden.visibility import CHILD_ORDER_ENV
@@ -37,6 +37,8 @@ class LeaseRequest:
     # directory mutex; ``constraints.count`` is then 1, the least that serves the request.
     every_usable: bool = False
     up_to: int | None = None  # n="all" only: take at most this many
+    # A memory lease: these bytes of each GPU, shared with other leases (0: slots/whole GPUs).
+    memory_bytes: int = 0
 
     @property
     def gpus(self) -> int:
@@ -44,13 +46,15 @@ class LeaseRequest:
 
     def describe(self) -> str:
         return describe_request(self.gpus, self.constraints.min_free_bytes, self.slots_per_gpu,
-                                self.slots_each, every_usable=self.every_usable)
+                                self.slots_each, every_usable=self.every_usable,
+                                memory_bytes=self.memory_bytes)
 
 
 def make_request(n: int | Literal["all"] | None = None, *, min_free: str | int | None = None,
                  slots_per_gpu: int = 1, slots_each: int = 1,
                  wait: str | float | None = None, constraints: Constraints | None = None,
-                 label: str | None = None, up_to: int | None = None) -> LeaseRequest:
+                 label: str | None = None, up_to: int | None = None,
+                 mem: str | int | None = None) -> LeaseRequest:
     """Validate the arguments of :func:`acquire`; UsageError (exit 2) names the bad one."""
     base = constraints or Constraints()
     every_usable = n == "all"
@@ -72,20 +76,34 @@ def make_request(n: int | Literal["all"] | None = None, *, min_free: str | int |
         raise UsageError(f"up_to={up_to!r}: only with n='all', and at least 1",
                          fix="lease(n='all', up_to=2) takes every usable GPU, at most 2")
     wait_s = None if wait is None else parse_duration(wait, what="wait")
+    memory_bytes = 0
+    if mem is not None:
+        memory_bytes = mem if isinstance(mem, int) and not isinstance(mem, bool) else \
+            parse_size(str(mem), what="mem")
+        if memory_bytes < 1:
+            raise UsageError(f"mem={mem!r}: a memory lease needs more than 0 bytes",
+                             fix="e.g. mem='20GiB'")
+        if slots_per_gpu != 1 or slots_each != 1:
+            raise UsageError(f"mem={mem!r} with slots_per_gpu={slots_per_gpu}: a lease is "
+                             "memory or slots, not both",
+                             fix="mem='6GiB' shares a GPU by memory; slots_per_gpu=K in K "
+                             "equal slots")
     return LeaseRequest(
         constraints=replace(base, count=count, min_free_bytes=min_free_bytes),
         slots_per_gpu=slots_per_gpu, slots_each=slots_each, wait_s=wait_s, label=label or "",
-        every_usable=every_usable, up_to=up_to,
+        every_usable=every_usable, up_to=up_to, memory_bytes=memory_bytes,
     )
 
 
 @dataclass(frozen=True)
 class Held:
-    """One slot this process holds: a byte of a GPU's lock file."""
+    """One slot this process holds: a byte of a GPU's lock file (``shared``: the read lock
+    every memory lease of the GPU holds on byte 0)."""
 
     lock_file: _locks._Inode
     byte: int
     path: Path
+    shared: bool = False
 
 
 class Grant:
@@ -99,15 +117,22 @@ class Grant:
 
     def __init__(self, gpus: tuple[GPUSnapshot, ...], claims: tuple[SlotClaim, ...],
                  held: list[Held], record: OwnedRecord, lease_dir: Path, request: LeaseRequest,
-                 waited_s: float) -> None:
+                 waited_s: float, states: tuple[GpuState, ...] = ()) -> None:
         self.gpus = gpus
         self.claims = claims
         self.lease_dir = lease_dir
         self.request = request
         self.waited_s = waited_s
+        # Every visible GPU as the granting attempt judged it: why taken, or why not (bytes).
+        self.states = states
         self.visible_devices = ",".join(g.cuda_id for g in gpus)
         self.env: dict[str, str] = {"CUDA_VISIBLE_DEVICES": self.visible_devices,
                                     **CHILD_ORDER_ENV}
+        if request.memory_bytes:
+            from gpuwarden.mps import pinned_memory_env
+
+            # Where MPS runs, the driver itself holds the child to its lease.
+            self.env.update(pinned_memory_env(request.memory_bytes, len(gpus)))
         self._held = held
         self._record = record
         # A shared flock on the directory: systemd-tmpfiles does not age a locked directory.
@@ -119,6 +144,11 @@ class Grant:
     @property
     def holder_id(self) -> str:
         return self._record.record.record_id
+
+    @property
+    def memory_bytes(self) -> int:
+        """The bytes leased on each GPU (0: slots or whole GPUs)."""
+        return self.request.memory_bytes
 
     @property
     def held(self) -> bool:
@@ -134,7 +164,10 @@ class Grant:
             # Slots first, then the record: a waiter woken by the record's deletion finds
             # the slots already free.
             for h in held:
-                _locks.give_back(h.lock_file, h.byte)
+                if h.shared:
+                    _locks.give_back_shared(h.lock_file, h.byte)
+                else:
+                    _locks.give_back(h.lock_file, h.byte)
             if held:
                 self._record.remove()
             self._dir_fd = -1  # the process's own (hold_dir): not closed here

@@ -342,8 +342,8 @@ def serve_slurm_job(request: LeaseRequest, lease_dir: str | Path | None = None,
     None outside a Slurm job, or when the job's other processes hold too few of the GPUs
     this process may use (then the request is served, or refused, as any other)."""
     job = own_slurm_job()
-    if job is None:
-        return None
+    if job is None or request.memory_bytes:
+        return None  # a memory lease shares GPUs by its bytes already, with every lease
     environ = os.environ if env is None else env
     directory = Path(lease_dir) if lease_dir else lease_dir_path(dict(environ))
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.lease import _fs, _locks, _proc
+from gpuwarden.lease.memory import DEFAULT_RESERVE_BYTES
 from gpuwarden.lease.records import Corrupt, Record, iter_holders, scan
 
 
@@ -35,6 +36,7 @@ class LeaseTable:
     mutex_holders: str = ""
     complete: bool = True  # False: the scan's bounds left part of the directory unread
     left_out: tuple[tuple[str, int], ...] = ()  # (user, records not read) per user over a cap
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES  # what each GPU keeps out of memory leases
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +50,7 @@ class LeaseTable:
             "unrecorded_slots": [{"uuid": u.uuid, "slots_per_gpu": u.slots_per_gpu,
                                   "slot": u.slot, "held_by": u.holder} for u in self.unrecorded],
             "records_left_out": [{"user": user, "count": n} for user, n in self.left_out],
+            "memory_reserve_bytes": self.reserve_bytes,
         }
 
 
@@ -78,12 +81,17 @@ def list_leases(directory: Path | None = None) -> LeaseTable:
         uuid = name[len("gpu."):-len(".lock")]
         recorded = {(c.slots_per_gpu, s): h.pid for h in holders for c in h.claims
                     if _fs.escape_uuid(c.uuid) == uuid for s in c.slots}
+        # Memory leases share a read lock on byte 0: the kernel names one of their holders.
+        sharing = {h.pid for h in holders for c in h.claims
+                   if c.is_memory and _fs.escape_uuid(c.uuid) == uuid}
         with _locks.peek(directory / name) as fd:
             if fd is None:
                 continue
             for owner in _locks.held_ranges(fd):
                 for byte in range(owner.start, owner.start + (owner.length or 1)):
                     k, slot = _locks.slot_of_offset(byte)
+                    if byte == 0 and not owner.write and owner.pid in sharing:
+                        continue
                     if recorded.get((k, slot)) != owner.pid or owner.pid < 0:
                         unrecorded.append(Unrecorded(uuid, k, slot, _locks.describe_owner(owner)))
                     if len(unrecorded) >= 256:
@@ -92,5 +100,8 @@ def list_leases(directory: Path | None = None) -> LeaseTable:
     holders_sorted = tuple(sorted(iter_holders(records), key=lambda r: (r.born_ns, r.record_id)))
     tickets = tuple(sorted((r for r in records if r.kind == "ticket"), key=Record.order))
     left_out = tuple((_proc.user_name(uid), n) for uid, n in sorted(view.left_out.items()))
+    reserve = config.memory_reserve_bytes if config is not None \
+        and config.memory_reserve_bytes is not None else DEFAULT_RESERVE_BYTES
     return LeaseTable(directory, True, holders_sorted, tickets, tuple(view.corrupt),
-                      tuple(unrecorded), prepared, mutex_holders, view.complete, left_out)
+                      tuple(unrecorded), prepared, mutex_holders, view.complete, left_out,
+                      reserve)

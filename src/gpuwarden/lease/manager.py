@@ -70,8 +70,13 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
             on_wait: OnWait | None = None, lease_dir: str | Path | None = None,
             env: Mapping[str, str] | None = None,
             visible: Sequence[GPUSnapshot] | None = None, up_to: int | None = None,
-            inventory: Inventory | None = None) -> Grant:
-    """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each) and return the Grant.
+            inventory: Inventory | None = None, mem: str | int | None = None) -> Grant:
+    """Lease ``n`` GPUs (``slots_each`` of ``slots_per_gpu`` slots on each, or ``mem`` bytes of
+    each) and return the Grant.
+
+    ``mem``: a memory lease, e.g. ``"20GiB"``: that much of each GPU, which other memory, slot
+    and whole-GPU leases of the host account for; placed where it fits tightest (docs/leases.md,
+    "Memory leases"). Not with ``slots_per_gpu``.
 
     ``n="all"``: every GPU that is acceptable and free at the moment of the attempt (at least
     one; waiting waits for the first), at most ``up_to``, decided under the lease lock, so
@@ -96,7 +101,7 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
     """
     req = make_request(n, min_free=min_free, slots_per_gpu=slots_per_gpu,
                        slots_each=slots_each, wait=wait, constraints=constraints, label=label,
-                       up_to=up_to)
+                       up_to=up_to, mem=mem)
     from gpuwarden.lease import jobstep  # started by a lease holder: its GPUs (jobstep.py)
 
     if (step := jobstep.serve(req, lease_dir, env, visible, inventory)) is not None:
@@ -121,14 +126,14 @@ def usable_count(*, min_free: str | int | None = None, slots_per_gpu: int = 1,
                  slots_each: int = 1, constraints: Constraints | None = None,
                  lease_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
                  visible: Sequence[GPUSnapshot] | None = None,
-                 inventory: Inventory | None = None) -> int:
+                 inventory: Inventory | None = None, mem: str | int | None = None) -> int:
     """How many GPUs ``acquire("all", ...)`` with these arguments would be granted now.
 
     The same judgement as an attempt, under the same lock, but nothing is taken: a
     prediction (another process may lease a GPU the next moment). Raises as :func:`acquire`.
     """
     req = make_request("all", min_free=min_free, slots_per_gpu=slots_per_gpu,
-                       slots_each=slots_each, constraints=constraints)
+                       slots_each=slots_each, constraints=constraints, mem=mem)
     waiter = _new_waiter(req, lease_dir, env)
     gpus = tuple(visible) if visible is not None else _read_gpus(env, inventory)
     attempt = _attempt_mapped(waiter, gpus, will_wait=False, probe=True)
@@ -264,18 +269,20 @@ def _dir_error(directory: Path, exc: OSError) -> LeaseDirError:
 
 def _not_served(req: LeaseRequest, status: WaitStatus, wait_s: float) -> Exception:
     evidence = [g.line() for g in status.gpus]
+    fewer = "less memory (--mem) or fewer GPUs" if req.memory_bytes else \
+        "fewer GPUs or slots"
     if wait_s > 0:
         return LeaseTimeoutError(
             f"waited {format_duration(status.waited_s)} for {req.describe()} and was not served",
             why=status.blockers(),
-            fix="wait longer (--wait), ask for fewer GPUs or slots, or see who holds them "
+            fix=f"wait longer (--wait), ask for {fewer}, or see who holds them "
             "with `gpuwarden leases`",
             evidence=evidence)
     return LeaseUnavailableError(
         f"{req.describe()} cannot be leased now",
         why=status.blockers(),
         fix="wait in line for them (gpuwarden run --wait 10m, or lease(..., wait='10m')), "
-        "ask for fewer GPUs or slots, or see who holds them with `gpuwarden leases`",
+        f"ask for {fewer}, or see who holds them with `gpuwarden leases`",
         evidence=evidence)
 
 

@@ -67,16 +67,26 @@ MAX_CORRUPT = 64  # unreadable records listed by one scan
 
 @dataclass(frozen=True)
 class SlotClaim:
-    """The slots one record holds on one GPU."""
+    """The slots one record holds on one GPU, or (``memory_bytes`` > 0) the memory of a memory
+    lease on it. A memory claim is written with ``slots_per_gpu`` 1 and no slots: an older
+    gpuwarden reads it as a lease of the GPU in another split and keeps off it."""
 
     uuid: str
     index: int
     slots_per_gpu: int
     slots: tuple[int, ...]
+    memory_bytes: int = 0
+
+    @property
+    def is_memory(self) -> bool:
+        return self.memory_bytes > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uuid": self.uuid, "index": self.index, "slots_per_gpu": self.slots_per_gpu,
-                "slots": list(self.slots)}
+        data: dict[str, Any] = {"uuid": self.uuid, "index": self.index,
+                                "slots_per_gpu": self.slots_per_gpu, "slots": list(self.slots)}
+        if self.memory_bytes:
+            data["memory_bytes"] = self.memory_bytes
+        return data
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,7 @@ class Record:
     max_util_pct: int | None = None
     allow_shared: bool = False
     uuids: tuple[str, ...] = ()  # the GPUs it may use (its visible ones, include/exclude applied)
+    memory_bytes: int = 0  # a memory request: the bytes it asks for on each GPU
     uid: int = -1
     ino: int = 0
     path: Path | None = field(default=None, compare=False)
@@ -142,6 +153,8 @@ class Record:
                         slots_each=self.slots_each, min_free_bytes=self.min_free_bytes,
                         max_util_pct=self.max_util_pct, allow_shared=self.allow_shared,
                         uuids=list(self.uuids))
+            if self.memory_bytes:
+                data["memory_bytes"] = self.memory_bytes
         return data
 
     def content(self) -> dict[str, Any]:
@@ -580,7 +593,8 @@ def parse_record_bytes(raw: bytes, name: str) -> Record:
     claims = tuple(
         SlotClaim(uuid=_text(c["uuid"], 120), index=_int(c["index"], 0, 1 << 16),
                   slots_per_gpu=_int(c["slots_per_gpu"], 1, 1 << 16),
-                  slots=tuple(_int(s, 0, 1 << 16) for s in _list(c["slots"])))
+                  slots=tuple(_int(s, 0, 1 << 16) for s in _list(c["slots"])),
+                  memory_bytes=_int(c.get("memory_bytes", 0), 0, 1 << 62))
         for c in raw_claims
     )
     util = data.get("max_util_pct")
@@ -601,6 +615,7 @@ def parse_record_bytes(raw: bytes, name: str) -> Record:
         max_util_pct=None if util is None else _int(util, 0, 101),
         allow_shared=data.get("allow_shared") is True,
         uuids=tuple(_text(u, 120) for u in _list(data.get("uuids", []))),
+        memory_bytes=_int(data.get("memory_bytes", 0), 0, 1 << 62),
         schema=_int(data.get("schema", 1), 0, 1 << 16),
     )
 

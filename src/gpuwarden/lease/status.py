@@ -90,8 +90,11 @@ class WaitStatus:
 
 
 def describe_request(n: int, min_free_bytes: int, slots_per_gpu: int, slots_each: int, *,
-                     every_usable: bool = False) -> str:
+                     every_usable: bool = False, memory_bytes: int = 0) -> str:
     what = "every usable GPU (at least 1)" if every_usable else f"{n} GPU{'s' if n != 1 else ''}"
+    if memory_bytes:
+        what = f"{format_bytes(memory_bytes)} on " + ("each of " + what if n != 1 or every_usable
+                                                       else what)
     if slots_per_gpu > 1:
         what += f" ({slots_each} of {slots_per_gpu} slots each)"
     if min_free_bytes:

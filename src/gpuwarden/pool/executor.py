@@ -152,6 +152,7 @@ class GPUPool(Executor):
         max_workers: int | None = None,
         cpu_workers: int | None = None,
         memory_fraction: float | None = None,
+        mem_per_worker: int | str | None = None,
         initializer: Callable[..., Any] | None = None,
         initargs: tuple[Any, ...] = (),
         start_method: str = "forkserver",
@@ -174,6 +175,7 @@ class GPUPool(Executor):
                              fix="a fraction of the GPU, e.g. 0.45 with two workers per GPU")
         _check_count("max_workers", max_workers)
         _check_count("cpu_workers", cpu_workers)
+        mem_bytes = _memory_per_worker(mem_per_worker, workers_per_gpu)
         if isinstance(gpus, bool) or (isinstance(gpus, int) and gpus < 0):
             raise UsageError(f"gpus={gpus!r}: expected 'auto', a count >= 0, or a list of ids",
                              fix="gpus='auto', gpus=2 or gpus=[0, 3]")
@@ -185,7 +187,11 @@ class GPUPool(Executor):
         self._per_gpu = 1 if workers_per_gpu is None else workers_per_gpu
         self._grants: list[Grant] = []
         self._taken = self._take(gpus, max_workers, min_free, allow_shared, wait, label,
-                                 inventory)
+                                 inventory, mem_bytes)
+        if mem_bytes and memory_fraction is None and self._taken.gpus:
+            # Pool workers are gpuwarden's own processes: each caps torch's allocator so that
+            # it stays inside its share of the lease (its CUDA context is outside the cap).
+            memory_fraction = _fraction_for(mem_bytes, self._taken.gpus)
         try:
             self._start(max_workers=max_workers, cpu_workers=cpu_workers,
                         memory_fraction=memory_fraction, initializer=pickled_initializer,
@@ -197,7 +203,7 @@ class GPUPool(Executor):
 
     def _take(self, gpus: str | int | Sequence[int | str], max_workers: int | None,
               min_free: int | str | None, allow_shared: bool, wait: float | str | None,
-              label: str, inventory: Inventory | None) -> Any:
+              label: str, inventory: Inventory | None, mem_per_worker_bytes: int = 0) -> Any:
         from gpuwarden.pool.gpus import TakenGPUs, take_gpus
 
         if gpus == 0:
@@ -212,7 +218,8 @@ class GPUPool(Executor):
         def take() -> Any:
             return take_gpus(gpus, self._per_gpu, max_workers=max_workers,
                              min_free_bytes=min_free_bytes, allow_shared=allow_shared,
-                             wait=wait, label=label, inventory=inventory)
+                             wait=wait, label=label, inventory=inventory,
+                             mem_per_worker_bytes=mem_per_worker_bytes)
 
         try:
             try:
@@ -421,7 +428,24 @@ def _warn_cpu_once(why: str) -> None:
         return
     _warned_cpu = True
     warnings.warn(f"gpuwarden pool: no GPU, running CPU workers ({why})", CPUFallbackWarning,
-                  stacklevel=4)
+                  stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that points a warning raised by the caller of this function at the
+    user's line: the first frame outside gpuwarden and joblib. A fixed number pointed at
+    gpuwarden's own joblib backend when the pool came from ``Parallel(backend="gpuwarden")``
+    (or at a subclass's ``__init__``); ``warn(skip_file_prefixes=)`` needs Python 3.12."""
+    inside = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep]
+    joblib_file = getattr(sys.modules.get("joblib"), "__file__", None)
+    if isinstance(joblib_file, str):
+        inside.append(os.path.dirname(os.path.abspath(joblib_file)) + os.sep)
+    frame = sys._getframe(1)  # the function that calls warnings.warn: level 1
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(tuple(inside)):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 _live_pools: weakref.WeakSet[GPUPool] = weakref.WeakSet()
@@ -503,3 +527,30 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# What a worker's CUDA context takes beside its allocator's memory (NVML counts both).
+CONTEXT_ALLOWANCE_BYTES = 512 * 1024**2
+
+
+def _memory_per_worker(mem_per_worker: int | str | None, workers_per_gpu: int | None) -> int:
+    """``mem_per_worker`` in bytes (0: none); UsageError for a bad one, or without a fixed
+    ``workers_per_gpu`` (the lease of a GPU is that many workers' memory)."""
+    if mem_per_worker is None:
+        return 0
+    from gpuwarden.lease.grant import make_request
+
+    mem_bytes = make_request(1, mem=mem_per_worker).memory_bytes
+    if workers_per_gpu is None:
+        raise UsageError("mem_per_worker needs workers_per_gpu: a GPU's memory lease is that "
+                         "many workers' memory", fix="e.g. GPUPool(workers_per_gpu=2, "
+                         "mem_per_worker='6GiB')")
+    return mem_bytes
+
+
+def _fraction_for(mem_bytes: int, gpus: Sequence[GPUSnapshot]) -> float:
+    """The allocator cap (torch's per-process memory fraction) that keeps a worker inside
+    ``mem_bytes`` on the largest of ``gpus`` (smaller ones give it less)."""
+    total = max(g.memory_total_bytes for g in gpus) or 1
+    allowed = max(mem_bytes - CONTEXT_ALLOWANCE_BYTES, mem_bytes // 2)
+    return max(0.001, min(1.0, allowed / total))

@@ -38,7 +38,7 @@ def gpus_for_workers(max_workers: int, workers_per_gpu: int) -> int:
 
 def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: int = 0,
                      allow_shared: bool = False, workers_per_gpu: int = 1,
-                     inventory: Inventory | None = None) -> int:
+                     inventory: Inventory | None = None, mem_per_worker_bytes: int = 0) -> int:
     """How many GPUs :func:`take_gpus` would take for ``spec`` now (0: a CPU pool).
 
     For ``"auto"`` this asks the lease manager the same question ``take_gpus`` has it decide
@@ -64,6 +64,10 @@ def usable_gpu_count(spec: str | int | Sequence[int | str], *, min_free_bytes: i
     step = jobstep.usable(visible=visible)
     if step is not None:
         return step
+    if mem_per_worker_bytes:
+        return usable_count(mem=workers_per_gpu * mem_per_worker_bytes,
+                            constraints=_constraints(1, min_free_bytes, allow_shared),
+                            visible=visible, inventory=inventory)
     return usable_count(slots_per_gpu=workers_per_gpu, slots_each=workers_per_gpu,
                         constraints=_constraints(1, min_free_bytes, allow_shared),
                         visible=visible, inventory=inventory)
@@ -78,8 +82,12 @@ def _constraints(count: int, min_free_bytes: int, allow_shared: bool,
 def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
               max_workers: int | None = None, min_free_bytes: int = 0,
               allow_shared: bool = False, wait: float | str | None = None,
-              label: str = "gpuwarden pool", inventory: Inventory | None = None) -> TakenGPUs:
+              label: str = "gpuwarden pool", inventory: Inventory | None = None,
+              mem_per_worker_bytes: int = 0) -> TakenGPUs:
     """Lease the GPUs for a pool, with every GPU's verdict in the error when that fails.
+
+    ``mem_per_worker_bytes``: a memory lease of ``workers_per_gpu`` times that on each GPU
+    (shared with other leases by memory) instead of every slot of it.
 
     ``max_workers`` caps the GPUs taken at the ones that many workers fill. ``"auto"`` takes
     every GPU acceptable and free when the lease is decided (at least one).
@@ -121,10 +129,15 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
         n = spec if isinstance(spec, int) else len(include)
         n, up_to = (n if cap is None else min(n, cap)), None
     try:
-        grant = acquire(n, up_to=up_to, slots_per_gpu=workers_per_gpu,
-                        slots_each=workers_per_gpu, wait=wait, label=label, visible=visible,
-                        inventory=inventory,
-                        constraints=_constraints(1, min_free_bytes, allow_shared, include))
+        if mem_per_worker_bytes:
+            grant = acquire(n, up_to=up_to, mem=workers_per_gpu * mem_per_worker_bytes,
+                            wait=wait, label=label, visible=visible, inventory=inventory,
+                            constraints=_constraints(1, min_free_bytes, allow_shared, include))
+        else:
+            grant = acquire(n, up_to=up_to, slots_per_gpu=workers_per_gpu,
+                            slots_each=workers_per_gpu, wait=wait, label=label,
+                            visible=visible, inventory=inventory,
+                            constraints=_constraints(1, min_free_bytes, allow_shared, include))
     except ConstraintError as exc:
         from gpuwarden.lease import jobstep
 

@@ -104,11 +104,13 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
         release_if_idle()
     workers_per_gpu = int(pool_kwargs.get("workers_per_gpu") or 1)
     min_free = pool_kwargs.get("min_free")
+    mem = pool_kwargs.get("mem_per_worker")
     gpus = usable_gpu_count(
         pool_kwargs.get("gpus", "auto"), workers_per_gpu=workers_per_gpu,
         min_free_bytes=make_request(1, min_free=min_free).constraints.min_free_bytes,
         allow_shared=bool(pool_kwargs.get("allow_shared", False)),
-        inventory=pool_kwargs.get("inventory"))
+        inventory=pool_kwargs.get("inventory"),
+        mem_per_worker_bytes=make_request(1, mem=mem).memory_bytes if mem is not None else 0)
     if own is not None and own.gpus:
         explicit = pool_kwargs.get("gpus", "auto") != "auto"
         gpus = len(own.gpus) if explicit else len(own.gpus) + gpus
@@ -256,8 +258,8 @@ def release_if_idle() -> None:
 class GpuwardenBackend(AutoBatchingMixin, ParallelBackendBase):
     """joblib backend over GPUPool. Backend arguments (``parallel_config(backend="gpuwarden",
     ...)`` or ``Parallel(backend="gpuwarden", ...)``) are GPUPool's: ``gpus``,
-    ``workers_per_gpu``, ``memory_fraction``, ``start_method``, ``preload``, ``initializer``,
-    ``initargs``, ``min_free`` ..., plus ``idle_worker_timeout`` (seconds) and joblib's
+    ``workers_per_gpu``, ``memory_fraction``, ``mem_per_worker`` (with ``workers_per_gpu``),
+    ``start_method``, ``preload``, ``initializer``, ``initargs``, ``min_free`` ..., plus ``idle_worker_timeout`` (seconds) and joblib's
     ``max_nbytes``/``mmap_mode``/``temp_folder``."""
 
     supports_retrieve_callback = True

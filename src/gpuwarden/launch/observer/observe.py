@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.boundedio import read_json_object
@@ -56,6 +56,7 @@ FRESH_WAIT_S = 1.0  # a rank's sampling thread answers in milliseconds unless th
 NODE_FRESH_WAIT_S = 0.6  # answering another node: its request has less time left
 REMOTE_WAIT_S = 1.5  # the whole job's answer waits this long for the other nodes
 FLIGHT_RECORDER_WAIT_S = 1.0
+WAIT_TAIL_LINES = 12  # a rank's last stderr lines that explain reads while it waits in init
 MAX_MAIN_FRAMES = 64
 MAX_OTHER_THREADS = 32
 MAX_THREAD_FRAMES = 32
@@ -88,6 +89,9 @@ class JobSnapshot:
     run_dir: str
     multinode: bool
     peers_file: str  # local rank 0's (multi-node): where the store relay looks for requests
+    # The last stderr lines of each rank waiting in init_process_group: explain reads them in
+    # the endpoint's thread (diagnose_waits), not in the loop
+    waiting_tails: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 def suspect_after_s(stall_timeout_s: float, sample_interval_s: float) -> float:
@@ -144,6 +148,7 @@ def build_snapshot(sup: Supervisor, now: float) -> JobSnapshot:
     plan, config = sup.plan, sup.plan.config
     views = sup.views()
     rows, probes = [], []
+    tails: dict[int, tuple[str, ...]] = {}
     for r in sup.ranks:
         view = views[r.spec.rank]
         phase = None
@@ -153,6 +158,8 @@ def build_snapshot(sup: Supervisor, now: float) -> JobSnapshot:
                "pid": r.proc.pid, "gpu": r.spec.gpu.label if r.spec.gpu is not None else None,
                **rank_row(view, now=now, failing=phase is Phase.FAILED and r.exit is None)}
         rows.append(row)
+        if row["phase"] == "rendezvous" and r.relay.stderr_tail:
+            tails[r.spec.rank] = tuple(list(r.relay.stderr_tail)[-WAIT_TAIL_LINES:])
         if r.exit is None and r.sampler is not None:
             last_at = next((s.at for s in reversed(r.sampler.samples) if s.frames), None)
             probes.append(RankProbe(r.spec.rank, r.proc.pid, r.spec.files.stacks,
@@ -186,7 +193,32 @@ def build_snapshot(sup: Supervisor, now: float) -> JobSnapshot:
                            "arrived": sorted(sup.peers.arrived),
                            "store_lost": sup.peers.store_lost}
         peers_file = next((s.files.peers for s in plan.ranks if s.local_rank == 0), "")
-    return JobSnapshot(public, tuple(probes), plan.run_dir, plan.nnodes > 1, peers_file)
+    return JobSnapshot(public, tuple(probes), plan.run_dir, plan.nnodes > 1, peers_file, tails)
+
+
+def diagnose_waits(rows: Sequence[dict[str, Any]], tails: Mapping[int, tuple[str, ...]]) -> None:
+    """A rank in init_process_group whose own output names why it cannot get through (torch
+    retries an unknown MASTER_ADDR or a refused connection silently, printing a warning now and
+    then): its row gets explain's code and words (``diagnosis``), so `status` says more than
+    "in rendezvous". Runs explain, in the endpoint's thread."""
+    if not tails:
+        return
+    from gpuwarden.explain import explain_text
+    from gpuwarden.safetext import escape_untrusted
+
+    for row in rows:
+        tail = tails.get(row.get("rank", -1))
+        if not tail:
+            continue
+        try:
+            primary = explain_text("\n".join(tail)).primary
+        except Exception:  # a diagnosis must not cost the answer
+            continue
+        if primary.code in ("NONE", "RANK_FAILED"):
+            continue
+        line = escape_untrusted(primary.evidence[-1].text.strip(), 300) if primary.evidence \
+            else ""
+        row["diagnosis"] = {"code": primary.code, "what": primary.what, "line": line}
 
 
 # ---- fresh stacks (in the endpoint's threads) -------------------------------------------
@@ -311,7 +343,9 @@ class JobObserver:
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "status":
-            return {"ok": True, "schema": SNAPSHOT_SCHEMA, "job": self.snapshot().public}
+            snap = self.snapshot()
+            diagnose_waits(snap.public["ranks"], snap.waiting_tails)
+            return {"ok": True, "schema": SNAPSHOT_SCHEMA, "job": snap.public}
         if op == "stacks":
             return self.stacks(request.get("scope") == "node", bool(request.get("all_threads")))
         return {"ok": False, "error": f"unknown request {str(op)[:40]!r}"}

@@ -297,12 +297,16 @@ def main(argv: list[str]) -> int:
         _finished(code)
         raise
     except BaseException as exc:
-        # FAILED first: the supervisor starts stopping the other ranks while this one records
-        # its error and goes through its (slow, with torch loaded) interpreter teardown.
-        _set(Phase.FAILED)
+        # The record (milliseconds), then FAILED: the supervisor starts stopping the other ranks
+        # while this one goes through its (slow, with torch loaded) interpreter teardown, and
+        # reads, with FAILED, whether the error is an echo of a peer that left (its own is
+        # stopped for at once, an echo waits for a leaving peer to be seen: supervisor.py).
         tb = _script_traceback(exc)
-        if env.get("GPUWARDEN_ERROR_FILE"):
-            _write_error(env["GPUWARDEN_ERROR_FILE"], exc, tb)
+        try:
+            if env.get("GPUWARDEN_ERROR_FILE"):
+                _write_error(env["GPUWARDEN_ERROR_FILE"], exc, tb)
+        finally:
+            _set(Phase.FAILED)
         _finished(130 if isinstance(exc, KeyboardInterrupt) else 1)
         _print_as_python(tb)
         raise

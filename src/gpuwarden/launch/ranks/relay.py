@@ -29,6 +29,9 @@ Log files, as torchrun's ``DefaultLogsSpecs`` lays them out (``LOG_DIR`` is ``--
     LOG_DIR/<run id>_<random>/attempt_0/<local rank>/error.json   (TORCHELASTIC_ERROR_FILE)
     LOG_DIR/<run id>_<random>/attempt_0/filtered_stdout.log       (--duplicate-stdout-filters)
     LOG_DIR/<run id>_<random>/attempt_0/filtered_stderr.log       (--duplicate-stderr-filters)
+
+A tee'd stream (``-t``) is tagged as torchrun's TailLog tags it (``[default0]:``) on the console
+and in the filtered files, which, as torchrun's, only tee'd streams feed.
 """
 
 from __future__ import annotations
@@ -57,18 +60,29 @@ class RankOutputs:
     console_err: bool
     stdout_file: str | None
     stderr_file: str | None
+    # A tee'd stream (-t) is tagged as torchrun tags it, b"[default0]:", on the console and in
+    # the filtered-lines files, which only tee'd streams feed (torchrun tails the tee'd files)
+    tee_prefix: bytes = b""
+    tee_out: bool = False
+    tee_err: bool = False
+
+    def prefix_of(self, is_err: bool) -> bytes:
+        return self.tee_prefix if (self.tee_err if is_err else self.tee_out) else self.prefix
 
 
 def rank_outputs(*, rank: int, local_rank: int, redirects: str, tee: str,
                  local_ranks_filter: frozenset[int] | None, quiet: bool,
-                 attempt_dir: str | None) -> RankOutputs:
+                 attempt_dir: str | None, role: str = "default",
+                 prefix_template: str | None = None) -> RankOutputs:
     """torchrun's rules: a redirected stream goes to its file only, a tee'd one to its file and
-    the console; ``--local-ranks-filter`` hides other local ranks from the console (their files
-    are still written); gpuwarden's ``--quiet`` shows global rank 0 only."""
+    the console, tagged ``[<role><local rank>]:`` (or TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with
+    ``${role_name}``, ``${rank}``, ``${local_rank}``); ``--local-ranks-filter`` hides other local
+    ranks from the console (their files are still written, none tee'd); gpuwarden's ``--quiet``
+    shows global rank 0 only."""
     red = std_for(parse_std_spec(redirects, what="--redirects"), local_rank)
     tees = std_for(parse_std_spec(tee, what="--tee"), local_rank)
-    shown = (local_ranks_filter is None or local_rank in local_ranks_filter) \
-        and (not quiet or rank == 0)
+    listed = local_ranks_filter is None or local_rank in local_ranks_filter
+    shown = listed and (not quiet or rank == 0)
 
     def route(bit: int, name: str) -> tuple[bool, str | None]:
         to_file = bool((red | tees) & bit) and attempt_dir is not None
@@ -77,7 +91,16 @@ def rank_outputs(*, rank: int, local_rank: int, redirects: str, tee: str,
 
     console_out, out_file = route(STD_OUT, "stdout.log")
     console_err, err_file = route(STD_ERR, "stderr.log")
-    return RankOutputs(f"[rank{rank}]: ".encode(), console_out, console_err, out_file, err_file)
+    tag = f"[{role}{local_rank}]:"
+    if prefix_template:
+        from string import Template
+
+        tag = Template(prefix_template).safe_substitute(role_name=role, rank=rank,
+                                                        local_rank=local_rank)
+    teed = attempt_dir is not None and listed
+    return RankOutputs(f"[rank{rank}]: ".encode(), console_out, console_err, out_file, err_file,
+                       tag.encode(), teed and bool(tees & STD_OUT),
+                       teed and bool(tees & STD_ERR))
 
 
 class Console:
@@ -421,13 +444,17 @@ class RankRelay:
             and stdout.isatty else None
         self.tty_err = stderr if outputs.console_err and outputs.stderr_file is None \
             and stderr.isatty else None
+        # torchrun's filters read the tee'd streams only
         self.out = StreamRelay(
-            outputs.prefix, stdout if outputs.console_out and self.tty_out is None else None,
-            self._open(outputs.stdout_file), None, filters[0], filtered[0], self.tty_out)
+            outputs.prefix_of(False),
+            stdout if outputs.console_out and self.tty_out is None else None,
+            self._open(outputs.stdout_file), None, filters[0] if outputs.tee_out else (),
+            filtered[0], self.tty_out)
         self.err = StreamRelay(
-            outputs.prefix, stderr if outputs.console_err and self.tty_err is None else None,
-            self._open(outputs.stderr_file), self.stderr_tail, filters[1], filtered[1],
-            self.tty_err)
+            outputs.prefix_of(True),
+            stderr if outputs.console_err and self.tty_err is None else None,
+            self._open(outputs.stderr_file), self.stderr_tail,
+            filters[1] if outputs.tee_err else (), filtered[1], self.tty_err)
 
     def open_stdio(self) -> RankStdio:
         """The rank's stdout and stderr, as :class:`RankStdio` decides them."""
@@ -465,7 +492,8 @@ class JobRelay:
                  local_ranks_filter: frozenset[int] | None = None, quiet: bool = False,
                  attempt_dir: str | None = None,
                  duplicate_stdout_filters: Sequence[str] = (),
-                 duplicate_stderr_filters: Sequence[str] = ()) -> None:
+                 duplicate_stderr_filters: Sequence[str] = (), role: str = "default",
+                 prefix_template: str | None = None) -> None:
         self.stdout = Console(stdout)
         self.stderr = Console(stderr)
         if self.stdout.isatty and self.stderr.isatty:
@@ -473,6 +501,7 @@ class JobRelay:
         self.redirects, self.tee = redirects, tee
         self.local_ranks_filter, self.quiet = local_ranks_filter, quiet
         self.attempt_dir = attempt_dir
+        self.role, self.prefix_template = role, prefix_template
         self.filters = (tuple(f.encode() for f in duplicate_stdout_filters if f),
                         tuple(f.encode() for f in duplicate_stderr_filters if f))
         self._filtered: list[LogFile | None] = [None, None]
@@ -486,7 +515,8 @@ class JobRelay:
     def open_rank(self, rank: int, local_rank: int) -> RankRelay:
         outputs = rank_outputs(rank=rank, local_rank=local_rank, redirects=self.redirects,
                                tee=self.tee, local_ranks_filter=self.local_ranks_filter,
-                               quiet=self.quiet, attempt_dir=self.attempt_dir)
+                               quiet=self.quiet, attempt_dir=self.attempt_dir,
+                               role=self.role, prefix_template=self.prefix_template)
         relay = RankRelay(outputs, self.stdout, self.stderr,
                           (self._filtered[0], self._filtered[1]), self.filters)
         self.ranks.append(relay)

@@ -136,7 +136,8 @@ class _GPUSwaps:
                                   exclude=tuple(dict.fromkeys([*self.blamed,
                                                                *(g.uuid for g in gpus)])))
         grant = acquire(len(out), min_free=self.config.min_free_bytes, constraints=constraints,
-                        label=f"gpuwarden launch {self.config.target} (replacement)")
+                        label=f"gpuwarden launch {self.config.target} (replacement)",
+                        mem=self.config.mem_per_rank_bytes or None)
         self._grants.append(grant)
         by_old = {old.uuid: fresh for old, fresh in zip(out, grant.gpus, strict=True)}
         new = tuple(by_old.get(g.uuid, g) for g in gpus)

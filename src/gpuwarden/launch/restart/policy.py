@@ -35,13 +35,15 @@ DEFAULT_RESTART_BACKOFF_S = 1.0
 TRANSIENT_CODES = frozenset({
     "NCCL_WATCHDOG_TIMEOUT", "RDZV_CONNECT_TIMEOUT", "RDZV_CONN_REFUSED", "RDZV_WORKERS_MISSING",
     "RANK_STALL", "GPU_HARDWARE_FAULT", "CUDA_DEVICES_BUSY", "DATALOADER_WORKER_KILLED",
-    "NODE_LOST",
+    "NODE_LOST", "GLOO_PEER_LOST",
 })
 # The job's own configuration: every attempt would fail the same way (failure-codes.md's fix
 # is a change to the command line, the script or the host, never time).
 PERMANENT_CODES = frozenset({
     "CUDA_FORK_REINIT", "MAIN_GUARD_MISSING", "CUDA_NO_DEVICE", "CUDA_DRIVER_TOO_OLD",
     "CUDA_INVALID_ORDINAL", "NCCL_DUPLICATE_GPU", "NCCL_NO_INTERFACE", "RDZV_DNS",
+    # the host's NVSwitch fabric is not up (Fabric Manager): no attempt on this host can start
+    "CUDA_SYSTEM_NOT_READY",
 })
 # A GPU that caused the failure: released, and another one leased for the next attempt.
 EXCLUDE_GPU_CODES = frozenset({"GPU_HARDWARE_FAULT", "CUDA_DEVICES_BUSY"})
