@@ -440,8 +440,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire: how long a requeued job waits before it may start again (5 s at the least)
-AuthInfo=socket={root}/run/munge.sock,cred_expire=10
+# cred_expire: how long a requeued job waits before it may start again (5 s at the least;
+# also how long a step's launch credential is good for: srun to slurmd takes milliseconds)
+AuthInfo=socket={root}/run/munge.sock,cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid

@@ -514,6 +514,9 @@ def slurm_two_hosts(slurm_two_hosts_cluster: Cluster,
 
 def test_two_hosts_the_batch_recipe_takes_the_cross_host_path(slurm_two_hosts: Cluster,
                                                               tmp_path: Path) -> None:
+    """n2's launcher finds MASTER_ADDR n1 on another host: no rehearsal, gloo across hosts.
+    (torch's c10d recipe across the two hosts, under both launchers: bench_slurm.py
+    --two-hosts; c10d across namespace hosts without Slurm: test_multinode_jobs.py.)"""
     slurm = slurm_two_hosts
     in_cwd(tmp_path)
     _, state, text = batch(slurm, tmp_path, recipe("batch"))
@@ -521,13 +524,3 @@ def test_two_hosts_the_batch_recipe_takes_the_cross_host_path(slurm_two_hosts: C
     assert_two_nodes_of_two(trained(text), text, static=True)
     assert "must run on this host too" not in text, text  # not the one-machine rehearsal
     assert "loopback" not in text, text
-
-
-def test_two_hosts_slurms_torchrun_recipe(slurm_two_hosts: Cluster, tmp_path: Path) -> None:
-    """torch's c10d rendezvous across hosts (torchrun's side on two hosts:
-    benchmarks/bench_slurm.py --two-hosts)."""
-    slurm = slurm_two_hosts
-    in_cwd(tmp_path)
-    _, state, text = batch(slurm, tmp_path, recipe("batch-torchrun"))
-    assert state == "COMPLETED", text
-    assert_two_nodes_of_two(trained(text), text, static=False)
