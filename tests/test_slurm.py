@@ -113,6 +113,13 @@ def assert_two_nodes_of_two(ranks: list[dict[str, str]], text: str, *, static: b
         assert hosts == {"0": "n1", "1": "n2"}, ranks
 
 
+def test_every_recipe_of_the_docs_is_run_by_a_test() -> None:
+    """docs/slurm.md's promise: each recipe a user copies is one of these tests."""
+    names = re.findall(r"<!-- recipe: (\S+) -->", DOC.read_text())
+    source = Path(__file__).read_text()
+    assert names and not [n for n in names if f'recipe("{n}")' not in source], names
+
+
 # -- starting a job ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("launcher", ["gpuwarden", "torchrun"])
