@@ -122,7 +122,9 @@ def real_host(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Any]:
     """Two slurmd nodes beside slurmctld on this machine, started once per session (the
-    first test that asks) and stopped at its end; skips with the reason where it cannot be had."""
+    first test that asks) and stopped at its end; skips with the reason where it cannot be had.
+    Under pytest-xdist a session is a worker: every test that uses it is in
+    ``xdist_group("slurm")``, so that one worker starts the daemons (tests/test_slurm.py)."""
     from tests import _slurm
 
     reason = _slurm.unavailable_reason()

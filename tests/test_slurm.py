@@ -31,8 +31,12 @@ KILL_WAIT_S = 10  # slurm.conf's KillWait: Slurm's SIGKILL follows its SIGTERM a
 # given or how a job ends, not the collective: a torch import is seconds of a loaded 2-core box.
 LIGHT = {"TRAIN_LIGHT": "1"}
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
-
+# Under pytest-xdist (--dist loadgroup) module- and session-scoped fixtures are built once per
+# worker, so the tests of one cluster must share a worker: those of the session cluster
+# (conftest.py) are group "slurm", and its daemons start once. The pgid and two-host clusters,
+# started here for their own tests, add a group of their own (xdist joins a test's groups into
+# one name), so they may run beside it on another worker. Without xdist the marks do nothing.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300), pytest.mark.xdist_group("slurm")]
 
 
 def recipe(name: str) -> str:
@@ -482,7 +486,8 @@ def slurm_pgid(slurm_pgid_cluster: Cluster, no_leftover_processes: None) -> Iter
     yield from slurm_checked(slurm_pgid_cluster)
 
 
-@pytest.mark.parametrize("proctrack", ["pgid", "linuxproc"])
+@pytest.mark.parametrize("proctrack", [
+    pytest.param("pgid", marks=pytest.mark.xdist_group("slurm-pgid")), "linuxproc"])
 def test_a_preemption_notice_reaches_each_rank_once_whatever_the_proctrack(
         request: Any, tmp_path: Path, proctrack: str) -> None:
     """One node, ranks without torch: under proctrack/pgid Slurm signals the launcher's process
@@ -519,6 +524,7 @@ def slurm_two_hosts(slurm_two_hosts_cluster: Cluster,
     yield from slurm_checked(slurm_two_hosts_cluster)
 
 
+@pytest.mark.xdist_group("slurm-two-hosts")
 def test_two_hosts_the_batch_recipe_takes_the_cross_host_path(slurm_two_hosts: Cluster,
                                                               tmp_path: Path) -> None:
     """n2's launcher finds MASTER_ADDR n1 on another host: no rehearsal, gloo across hosts.
