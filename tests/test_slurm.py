@@ -152,13 +152,16 @@ def test_batch_script_two_nodes_everything_from_slurm(slurm: Cluster, tmp_path: 
 
 @pytest.mark.parametrize("launcher", ["gpuwarden", "torchrun"])
 def test_slurms_torchrun_recipe(slurm: Cluster, tmp_path: Path, launcher: str) -> None:
-    """Slurm's torchrun recipe (c10d at $head_node:29500) runs unchanged under both."""
+    """Slurm's torchrun recipe (c10d at $head_node:29500) runs unchanged under both. Under
+    torchrun the ranks are light: its agents rendezvous through torch either way, and whether
+    the ranks it starts can all_reduce is torchrun's matter, not gpuwarden's."""
     in_cwd(tmp_path)
     script = recipe("batch-torchrun")
-    _, state, text = batch(slurm, tmp_path,
-                           script if launcher == "gpuwarden" else as_torchrun(script))
+    ours = launcher == "gpuwarden"
+    _, state, text = batch(slurm, tmp_path, script if ours else as_torchrun(script),
+                           env=None if ours else LIGHT)
     assert state == "COMPLETED", text
-    assert_two_nodes_of_two(trained(text), text, static=False)
+    assert_two_nodes_of_two(trained(text), text, static=False, total="10" if ours else "-")
 
 
 @pytest.mark.parametrize("launcher", ["gpuwarden", "torchrun"])
