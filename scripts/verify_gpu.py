@@ -386,7 +386,7 @@ def stage_benchmarks(ctx: Context) -> list[dict[str, Any]]:
 
 class Context:
     def __init__(self, out: Path, python: str, budget_s: float, nvml: dict[str, Any],
-                 stories: list[catalog.StoryRun]) -> None:
+                 stories: list[catalog.StoryRun], stages: list[str] | None = None) -> None:
         self.out = out
         self.logs = out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -400,9 +400,14 @@ class Context:
         self.start = time.monotonic()
         self.budget_s = budget_s
         self.deadlines: dict[str, float] = {}
+        # The shares of the stages that run, scaled to the whole budget: a rerun of one stage
+        # (--stages tests) gets all of it rather than its usual third.
+        chosen = {s: share for s, share in STAGE_SHARES.items()
+                  if stages is None or s == "versions" or s in stages}
+        total = sum(chosen.values())
         t = self.start
         for stage, share in STAGE_SHARES.items():
-            t += share * budget_s
+            t += chosen.get(stage, 0.0) / total * budget_s
             self.deadlines[stage] = t
 
     def left(self, stage: str) -> float:
@@ -656,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(env_dir, ignore_errors=True)
             print(f"verify-gpu: could not prepare the environment: {exc}", file=sys.stderr)
             return 1
-    ctx = Context(out, args.python, args.budget_s, nvml, stories)
+    ctx = Context(out, args.python, args.budget_s, nvml, stories, stages)
     ctx.test_filter, ctx.benchmarks = args.tests, args.benchmark
 
     def interrupt(signum: int, _frame: Any) -> None:
