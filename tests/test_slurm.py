@@ -274,7 +274,13 @@ def test_overlapping_steps_share_the_jobs_gpus(slurm: Cluster, tmp_path: Path,
     in_cwd(tmp_path, "evaluate.py", "slurm_notice.py")
     hold = tmp_path / "hold"
     hold.mkdir()
-    script = recipe("overlap").replace("evaluate.py", f"evaluate.py {hold}")
+    # The recipe starts both steps at once; the second waits here until the first one's ranks
+    # run, so that it meets the GPUs held (else a quick second step may be done before the
+    # first leases anything, and nothing is shared: a race seen on a loaded machine).
+    script = recipe("overlap").replace("evaluate.py &\n", (
+        f"evaluate.py {hold} &\n"
+        f"until [ -e {hold}/ready.0 ] && [ -e {hold}/ready.1 ]; do sleep 0.05; done\n"))
+    assert f"{hold}/ready.1" in script, script
     job, out = submit(slurm, tmp_path, script if launcher == "gpuwarden" else as_torchrun(script),
                       env=LIGHT)
     try:
