@@ -880,3 +880,27 @@ def test_a_read_only_file_system_is_named(shared, mallory, monkeypatch):
         assert as_user(mallory, as_other) == 0
     finally:
         subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_only_a_slurmstepd_run_by_root_names_a_processs_slurm_job() -> None:
+    """The steps of one Slurm job share the GPUs one of them holds (lease/jobstep.py): which job
+    a process is in is read from its nearest ancestor titled `slurmstepd: [JOB.STEP]`, and only
+    when root runs it. A user who titles a process of their own so cannot pass for a job's
+    step (and take the GPUs its steps hold)."""
+    from gpuwarden.lease.jobstep import slurm_job_of
+
+    script = 'exec -a "slurmstepd: [77.0]" bash -c "sleep 30 & echo \\$!; wait"'
+    with made_user("sj") as user:
+        for owner, expected in ((None, "77"), (user, None)):
+            proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True,
+                                    user=owner.uid if owner else None,
+                                    group=owner.gid if owner else None,
+                                    extra_groups=[] if owner else None, start_new_session=True)
+            try:
+                assert proc.stdout is not None
+                child = int(proc.stdout.readline())  # the titled process's child
+                assert slurm_job_of(child) == expected, (owner, expected)
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
