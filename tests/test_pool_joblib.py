@@ -18,7 +18,7 @@ from gpuwarden.pool.joblib_backend import shutdown_reusable_pool
 from tests import pool_tasks
 from tests.conftest import wait_until_gone
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
 
 def where(x: int) -> tuple[int, int, str | None]:
