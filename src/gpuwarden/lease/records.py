@@ -63,6 +63,14 @@ MIN_CHECKS = 64
 NEW_NAMES_PER_SCAN = 2048  # record names seen for the first time that one scan looks at
 STALE_AGE_S = 0.0  # our own unlocked record this old is deleted by a scan (under the mutex)
 MAX_CORRUPT = 64  # unreadable records listed by one scan
+# The format before issue 25 (schema 1: a flock, no record lock, the pid only what the file
+# says) is honoured by gpuwarden 0.1.x, during an upgrade, and only while the process it
+# names is verifiably the one that wrote it (:func:`older_record_problem`); 0.2.0 drops it
+# (docs/leases.md, "Upgrading"; tests/test_lease.py holds the version to that).
+OLDER_FORMAT_DROPPED_IN = (0, 2)
+# A process's start (10 ms ticks) and a file's birth come from two clocks: a process that
+# started up to this long after the record it wrote is still its writer.
+START_SLACK_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,8 @@ class Record:
     # Stopped (SIGSTOP, Ctrl-Z): set by `gpuwarden leases` from /proc (scan leaves it False).
     stopped: bool = field(default=False, compare=False)
     # Written by an older gpuwarden (a flock on the file, no record lock): its claims are kept
-    # off (no two versions grant one slot), but its pid is only what the file says.
+    # off (no two versions grant one slot); its pid is what the file says, believed only for
+    # a live process of the file's owner that started before the file (older_record_problem).
     legacy: bool = False
     schema: int = field(default=RECORD_SCHEMA, compare=False)  # what the file says it is
 
@@ -138,8 +147,8 @@ class Record:
         parts = (self.user, self.label or self.command, "stopped" if self.stopped else "",
                  "an older gpuwarden's lease" if self.legacy else "")
         what = ", ".join(x for x in parts if x)
-        pid = f"pid {self.pid}" if self.pid > 0 else "a process of an older gpuwarden" \
-            if self.legacy else "a process in another PID namespace"
+        # (An older gpuwarden's record is believed only for a live pid: older_record_problem.)
+        pid = f"pid {self.pid}" if self.pid > 0 else "a process in another PID namespace"
         return f"{pid} ({what})" if what else pid
 
     def to_dict(self) -> dict[str, Any]:
@@ -530,6 +539,12 @@ class Scanner:
             # read a dead record of this version can flock it, and must not revive it.
             if known.parsed.kind != "holder" or known.parsed.schema >= RECORD_SCHEMA:
                 return None  # a dead record, or an older version's waiting request (unordered)
+            # Nor does a flock make an older record's pid true: anyone can write one and
+            # flock it. Believed only when the kernel agrees the process could be its writer.
+            problem = older_record_problem(known.parsed.pid, st.st_uid, known.born_ns)
+            if problem:
+                self._corrupt(result, path, problem)
+                return None
             return replace(known.parsed, pid=known.parsed.pid, uid=st.st_uid, legacy=True,
                            user=_proc.user_name(st.st_uid), born_ns=st.st_mtime_ns,
                            ino=st.st_ino, path=path)
@@ -541,6 +556,30 @@ class Scanner:
     def _corrupt(result: ScanResult, path: Path, problem: str) -> None:
         if len(result.corrupt) < MAX_CORRUPT:
             result.corrupt.append(Corrupt(path, problem))
+
+
+def older_record_problem(pid: int, owner_uid: int, born_ns: int) -> str:
+    """Why a flock-held record of the older format is not an older gpuwarden's lease, or ''.
+
+    That version kept a flock on its record and wrote its own pid into it: so the pid must
+    name a live process of the record file's owner (the kernel's word, from /proc), started
+    no later than the file was born (a pid reused since names another process). Anything
+    else is forged, or a dead writer's record kept alive by someone else's flock."""
+    owner = _proc.user_name(owner_uid)
+    if pid <= 0:
+        return f"forged: an older gpuwarden's record of {owner} that names no pid"
+    uid = _proc.process_uid(pid)
+    started = _proc.process_start_ns(pid)
+    if uid is None or started is None:
+        return (f"forged or stale: an older gpuwarden's record of {owner} claims pid {pid}, "
+                "which is not running (someone else holds its flock)")
+    if uid != owner_uid:
+        return (f"forged: an older gpuwarden's record of {owner} claims pid {pid}, a process "
+                f"of {_proc.user_name(uid)}, not of the record's owner")
+    if born_ns and started > born_ns + START_SLACK_NS:
+        return (f"forged or stale: an older gpuwarden's record of {owner} claims pid {pid}, "
+                "which started after the record was written (its writer is gone)")
+    return ""
 
 
 def _flocked(fd: int) -> bool:
