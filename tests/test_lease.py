@@ -344,7 +344,7 @@ def test_an_older_records_pid_is_believed_only_as_its_writers() -> None:
     import psutil
 
     from gpuwarden.lease import _proc
-    from gpuwarden.lease.records import older_record_problem
+    from gpuwarden.lease.scan import older_record_problem
 
     me, uid = os.getpid(), os.getuid()
     now = time.time_ns()
@@ -364,13 +364,13 @@ def test_an_older_records_pid_is_believed_only_as_its_writers() -> None:
 def test_the_older_record_format_is_honoured_by_0_1_only() -> None:
     """docs/leases.md, "Upgrading": records of the format before issue 25 are honoured by
     0.1.x only. When the version reaches 0.2, this fails until that format's branch goes
-    (records.older_record_problem and Record.legacy, the flock and the older fields written
+    (scan.older_record_problem and Record.legacy, the flock and the older fields written
     beside each record, admin._is_locked's flock) with this test."""
     import gpuwarden
-    from gpuwarden.lease import records
+    from gpuwarden.lease import scan
 
     version = tuple(int(x) for x in gpuwarden.__version__.split(".")[:2])
-    assert version < records.OLDER_FORMAT_DROPPED_IN, (
+    assert version < scan.OLDER_FORMAT_DROPPED_IN, (
         f"gpuwarden {gpuwarden.__version__} still honours the older lease record format")
 
 
@@ -573,16 +573,16 @@ def test_a_scan_by_another_thread_while_a_record_is_made_leaves_its_lock_held(
     thread of the same process was just making would drop that record's lock, and every other
     process would take the live request for a dead one (seen as a waiter skipped in line, about
     1 run in 20 on a loaded box). The scan here runs at the worst moment: locked, not yet known."""
-    from gpuwarden.lease import _locks, records
+    from gpuwarden.lease import _locks, records, scan
 
     directory = tmp_path / "leases"
     directory.mkdir()
     real_set_lock = _locks._set_lock
-    seen: list[records.ScanResult] = []
+    seen: list[scan.ScanResult] = []
 
     def lock_then_scan(fd: int, kind: int, start: int, length: int) -> bool:
         held = real_set_lock(fd, kind, start, length)
-        seen.append(records.scan(directory))  # what another thread's scan does just then
+        seen.append(scan.scan(directory))  # what another thread's scan does just then
         return held
 
     monkeypatch.setattr(_locks, "_set_lock", lock_then_scan)
@@ -603,7 +603,7 @@ def test_a_scan_by_another_thread_while_a_record_is_made_leaves_its_lock_held(
         assert os.read(read, 32) == str(os.getpid()).encode()
         os.close(read)
         os.waitpid(pid, 0)
-        assert [r.record_id for r in records.scan(directory).records] == [ticket.record.record_id]
+        assert [r.record_id for r in scan.scan(directory).records] == [ticket.record.record_id]
     finally:
         ticket.remove()
 
@@ -612,7 +612,7 @@ def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path
     """Users are taken in turn: when the time budget ends a scan (after its first 64 records), a
     user whose uid sorts late is not left out behind another user's pile of records. And a
     scan that starts already out of time still looks at its first 64 new names."""
-    from gpuwarden.lease import records
+    from gpuwarden.lease import records, scan
     from tests._lease_util import kept_in_child
 
     directory = tmp_path / "leases"
@@ -629,7 +629,7 @@ def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path
     with kept_in_child(waiting):
         [ticket] = [p for p in directory.iterdir() if p.name.startswith(records.TICKET_PREFIX)]
         os.chown(ticket, 54321, 54321)  # another user's request (root may give it away)
-        scanner = records.Scanner(directory)
+        scanner = scan.Scanner(directory)
         scanner.scan()  # the names are known now (lstat once per name): the next scan opens
         result = scanner.scan(budget_s=0.0)
         assert not result.complete, (result.corrupt, result.left_out)
@@ -638,4 +638,4 @@ def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path
     ticket_only.mkdir()
     with kept_in_child(lambda: records.OwnedRecord(ticket_only, records.this_process(
             "ticket", "new", gpus_wanted=1))):
-        assert len(records.Scanner(ticket_only).scan(budget_s=0.0).records) == 1
+        assert len(scan.Scanner(ticket_only).scan(budget_s=0.0).records) == 1

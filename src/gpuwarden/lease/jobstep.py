@@ -317,7 +317,8 @@ def same_slurm_job(pids: Iterable[int]) -> frozenset[int]:
 def _job_allocations(directory: Path, job: str) -> tuple[Allocation, ...]:
     """The leases in ``directory`` held by other processes of Slurm job ``job``, each slot
     confirmed held by its holder (F_GETLK): the holder pid of a record is the kernel's."""
-    from gpuwarden.lease.records import iter_holders, scan
+    from gpuwarden.lease.records import iter_holders
+    from gpuwarden.lease.scan import scan
 
     out = []
     for holder in iter_holders(scan(directory).records):

@@ -4,7 +4,7 @@ attempt under the directory mutex is ``attempt.py``'s.
 
 Protocol (every step on a local filesystem, see docs/leases.md):
 
-1. Read the GPUs (NVML or the simulated host) and the records (bounded, records.py)
+1. Read the GPUs (NVML or the simulated host) and the records (bounded, scan.py)
    outside the directory mutex.
 2. Under the mutex (a POSIX write lock, held for about a millisecond; ``attempt.py``): read the records
    again (what changed only), judge every GPU by NVML state with the processes of its lease
@@ -40,7 +40,7 @@ from gpuwarden.lease import _fs, _locks
 from gpuwarden.lease._watch import DirWatch
 from gpuwarden.lease.attempt import attempt
 from gpuwarden.lease.grant import Grant, LeaseRequest, make_request
-from gpuwarden.lease.records import Scanner
+from gpuwarden.lease.scan import Scanner
 from gpuwarden.lease.status import GpuState, OnWait, WaitStatus
 from gpuwarden.lease.waiter import Attempt, Waiter
 from gpuwarden.select import Constraints
