@@ -62,6 +62,7 @@ REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
 STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
 START_PROGRESS_S = 2.0  # a start of many ranks says how far it got this often
+PUMP_ROUNDS_S = 0.01  # reading rounds in one pump while output keeps coming (terminal view)
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
@@ -119,7 +120,17 @@ class Supervisor:
                               duplicate_stdout_filters=self.config.duplicate_stdout_filters,
                               duplicate_stderr_filters=self.config.duplicate_stderr_filters,
                               role=self.config.role,
-                              prefix_template=self.config.log_line_prefix_template)
+                              prefix_template=self.config.log_line_prefix_template,
+                              ranks_filter=self.config.ranks_filter,
+                              node=plan.node_rank if plan.nnodes > 1 else None,
+                              layout=[(r.rank, r.local_rank) for r in plan.ranks],
+                              plain_console=self.config.plain_console,
+                              collapse_window_s=self.config.collapse_window_s)
+        self._resized = False  # SIGWINCH: the terminal's size changed
+        # fd -> (rank, is_err): streams not read for now, their lines waiting in the terminal's
+        # view for the other ranks' (relay.accepts); read again as soon as those leave
+        self._paused: dict[int, tuple[_Rank, bool]] = {}
+        self._ending = False  # the last reads after every rank exited: whole pipes
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
@@ -196,14 +207,18 @@ class Supervisor:
         next_note = time.monotonic() + START_PROGRESS_S
         for started, spec in enumerate(self.plan.ranks):
             if self._interrupt is not None:
-                print(f"gpuwarden: {self._interrupt} while starting ranks: {started} of {total} "
-                      "started, stopping them", file=self.err, flush=True)
+                self._say(f"gpuwarden: {self._interrupt} while starting ranks: {started} of "
+                          f"{total} started, stopping them")
                 return
             self._start(spec)
             if time.monotonic() >= next_note and started + 1 < total:
                 next_note = time.monotonic() + START_PROGRESS_S
-                print(f"gpuwarden: started {started + 1} of {total} ranks", file=self.err,
-                      flush=True)
+                self._say(f"gpuwarden: started {started + 1} of {total} ranks")
+
+    def _say(self, line: str) -> None:
+        """A line of gpuwarden's own on stderr while ranks run (above a terminal's live region)."""
+        with self.relay.aside():
+            print(line, file=self.err, flush=True)
 
     def _start(self, spec: RankSpec) -> None:
         # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
@@ -285,7 +300,11 @@ class Supervisor:
                         self._signal(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment). Only the ranks' pipes are waited for: the
-        # signal wake-up, the endpoint and the node agent stay registered to the end.
+        # signal wake-up, the endpoint and the node agent stay registered to the end. Every
+        # pipe is read to its end now, none paused.
+        self._ending = True
+        for fd in list(self._paused):
+            self._resume(fd)
         deadline = time.monotonic() + 0.3
         while self._rank_pipes_open() and time.monotonic() < deadline:
             if not self._pump(0.05):
@@ -360,7 +379,7 @@ class Supervisor:
         found = self._placement.check(
             lambda: {r.spec.rank: pids_of(r.proc.pid) for r in self.ranks if r.exit is None})
         if found is not None:
-            print(render_warning(found), file=self.err, flush=True)
+            self._say(render_warning(found))
 
     # ---- multi-node ------------------------------------------------------------------------
 
@@ -469,6 +488,7 @@ class Supervisor:
             self._peer_files.late_abort()  # the ranks are gone: their peers files are final
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)  # the node agent's pipe too (it outlives the round)
+        self._paused.clear()
         self._sel.close()
         for r in self.ranks:
             r.stdio.close()
@@ -482,36 +502,75 @@ class Supervisor:
     # ---- output ----------------------------------------------------------------------------
 
     def _pump(self, timeout: float) -> bool:
-        """Relay whatever the ranks wrote; True when there was something."""
+        """Relay whatever the ranks wrote; True when there was something. The relay's own
+        deadlines (a line held on a terminal for the same line of other ranks) cut the wait.
+
+        With the terminal's view each ready stream is read once per round, the streams in
+        turn (_read_stream), and rounds follow one another here while output keeps coming,
+        for at most PUMP_ROUNDS_S: the loop's other work (reaping, sampling) is not done for
+        every few kilobytes; a signal ends the rounds at once."""
+        due = self.relay.next_due()
+        if due is not None:
+            timeout = max(0.0, min(timeout, due - time.monotonic()))
         got = False
-        for key, _ in self._sel.select(timeout):
-            if key.data is None:  # the signal wake-up socket
-                with contextlib.suppress(OSError):
-                    assert self._wake_r is not None
-                    self._wake_r.recv(4096)
-                continue
-            if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
-                assert self._endpoint is not None
-                self._endpoint.clear_wakeups()
-                continue
-            if key.data is _AGENT:
-                self._agent_events()
-                continue
-            rank, is_err = key.data
-            got = True
-            self._read_stream(rank, key.fd, is_err)
-        return got
+        rounds_until = time.monotonic() + PUMP_ROUNDS_S if self.relay.view is not None else 0.0
+        while True:
+            ready = self._sel.select(timeout)
+            signalled = False
+            for key, _ in ready:
+                if key.data is None:  # the signal wake-up socket
+                    with contextlib.suppress(OSError):
+                        assert self._wake_r is not None
+                        self._wake_r.recv(4096)
+                    signalled = True
+                    continue
+                if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
+                    assert self._endpoint is not None
+                    self._endpoint.clear_wakeups()
+                    signalled = True
+                    continue
+                if key.data is _AGENT:
+                    self._agent_events()
+                    signalled = True
+                    continue
+                rank, is_err = key.data
+                got = True
+                self._read_stream(rank, key.fd, is_err)
+            if self._resized:
+                self._resized = False
+                self.relay.resized()
+            self.relay.tick()
+            for fd, (rank, is_err) in list(self._paused.items()):
+                if rank.relay.accepts(is_err):
+                    self._resume(fd)
+            if signalled or not ready or time.monotonic() >= rounds_until:
+                return got
+            timeout = 0.0
+
+    def _resume(self, fd: int) -> None:
+        rank, is_err = self._paused.pop(fd)
+        self._sel.register(fd, selectors.EVENT_READ, (rank, is_err))
 
     def _rank_pipes_open(self) -> bool:
-        return any(isinstance(key.data, tuple) for key in self._sel.get_map().values())
+        return bool(self._paused) or any(
+            isinstance(key.data, tuple) for key in self._sel.get_map().values())
 
     def _drain(self, rank: _Rank) -> None:
+        """Everything still in a rank's pipes (it exited): a paused stream too."""
+        for fd in [fd for fd, _ in rank.stdio.reads if fd in self._paused]:
+            self._resume(fd)
         registered = {k.fd for k in self._sel.get_map().values()}
         for fd, is_err in rank.stdio.reads:
             if fd in registered:
-                self._read_stream(rank, fd, is_err)
+                self._read_stream(rank, fd, is_err, drain=True)
 
-    def _read_stream(self, rank: _Rank, fd: int, is_err: bool) -> None:
+    def _read_stream(self, rank: _Rank, fd: int, is_err: bool, drain: bool = False) -> None:
+        # A stream the terminal's view collapses is read once per wake-up, the others' in
+        # turn: ranks that print the same lines as fast as they can then reach the view
+        # milliseconds apart, not one pipe's worth of lines apart (read until empty, the first
+        # rank read keeps the relay busy while the other ranks' lines wait in their buffers);
+        # and not at all while its lines wait for the other ranks' (relay.accepts).
+        once = rank.relay.viewed(is_err) and not drain and not self._ending
         while True:
             try:
                 data = os.read(fd, 65536)
@@ -524,6 +583,11 @@ class Supervisor:
                 rank.relay.finish(is_err)
                 return
             rank.relay.feed(is_err, data)
+            if once:
+                if not rank.relay.accepts(is_err):
+                    self._sel.unregister(fd)
+                    self._paused[fd] = (rank, is_err)
+                return
 
     # ---- stalls ----------------------------------------------------------------------------
 
@@ -579,7 +643,8 @@ class Supervisor:
         self._stall = stall
         if self.config.keep_waiting:
             if self.on_stall is not None:
-                self.on_stall(self._stall)
+                with self.relay.aside():
+                    self.on_stall(self._stall)
         else:
             self._begin_stop()
 
@@ -594,8 +659,7 @@ class Supervisor:
                 and self._straggler_since is not None \
                 and now - self._straggler_since >= STRAGGLER_PERSIST_S:
             self._straggler_said = True
-            print(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}", file=self.err,
-                  flush=True)
+            self._say(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}")
 
     def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
         """A fresh dump of each rank's script thread (its latest sample when none comes)."""
@@ -632,8 +696,13 @@ class Supervisor:
                 if r.exit is None:
                     self._signal(r, signal.Signals(signum))
 
+        def on_resize(_signum: int, _frame: Any) -> None:
+            self._resized = True  # the loop passes the new size on (relay.resized)
+
         # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
         handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]
+        if self.relay.stdout.isatty or self.relay.stderr.isatty:
+            handlers.append((signal.SIGWINCH, on_resize))
         handlers += [(s, on_stop) for s in stop_signals()]
         handlers += [(s, on_forward) for s in forwarded_signals(self.config.signals_to_handle)]
         for sig, handler in handlers:
