@@ -1,6 +1,7 @@
 """What ranks print on a terminal (tests/test_launch_console.py). No torch: starts in ~50 ms.
 
-    console.py tqdm STEPS             a real tqdm bar of STEPS redraws on stderr, then "epoch 1 done"
+    console.py tqdm STEPS [DIR]       a real tqdm bar of STEPS redraws on stderr, then "epoch 1 done"
+                                      (after a barrier of every rank when DIR is given)
     console.py rich STEPS             a rich progress bar (rich.progress.track) on stdout
     console.py keras STEPS            a Keras-style bar on stdout: backspaces, "\\r", then the line
     console.py same DIR               after a barrier of every rank (files in DIR): "epoch 1 done"
@@ -36,6 +37,8 @@ if mode == "tqdm":
 
     for _ in tqdm(range(int(sys.argv[2])), desc=f"rank {RANK}", mininterval=0, miniters=1):
         time.sleep(0.01)
+    if len(sys.argv) > 3:
+        barrier(sys.argv[3], "done")
     print("epoch 1 done", flush=True)
 elif mode == "rich":
     from rich.progress import track
