@@ -261,3 +261,20 @@ def test_the_node_is_named_on_a_terminal_with_several_nodes_and_nowhere_else() -
                           quiet=False, attempt_dir=None, ranks_filter=frozenset({0, 8}))
     assert not hidden.console_out and not hidden.console_err
 
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_log_files_keep_every_rank_s_own_lines_while_the_terminal_collapses(
+        env: dict[str, str], tmp_path: Path) -> None:
+    """``-r 2`` sends stderr to the files only, stdout stays on the terminal (collapsed there):
+    each rank's stderr.log has its own lines, unprefixed, whatever the console showed."""
+    logs = tmp_path / "logs"
+    code, out = on_terminal(["-n", "4", "--collapse-window", "2s", "--log-dir", str(logs),
+                             "-r", "2", SCRIPT, "tqdm", "5", str(tmp_path)], env, tmp_path)
+    lines = screen(out)
+    assert code == 0, "\n".join(lines)
+    assert [line for line in lines if "epoch 1 done" in line] == ["[rank0-3]: epoch 1 done"]
+    for r in range(4):
+        (err,) = logs.glob(f"*/attempt_0/{r}/stderr.log")
+        assert f"rank {r}: 100%|".encode() in err.read_bytes()

@@ -40,7 +40,8 @@ from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
-from gpuwarden.launch.ranks.relay import JobRelay, RankRelay, RankStdio
+from gpuwarden.launch.ranks.relay import JobRelay, RankRelay
+from gpuwarden.launch.ranks.stdio import RankStdio
 from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
 from gpuwarden.launch.watch.stall import (

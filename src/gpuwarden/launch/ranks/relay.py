@@ -40,12 +40,12 @@ import collections
 import contextlib
 import errno
 import os
-import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Protocol, TextIO
 
 from gpuwarden.launch.config import STD_ERR, STD_OUT, parse_std_spec, std_for
+from gpuwarden.launch.ranks.stdio import RankStdio
 
 if TYPE_CHECKING:
     from gpuwarden.launch.ranks.terminal import TerminalView, _Stream
@@ -395,94 +395,6 @@ class StreamRelay:
 
 def _tail_line(raw: bytes) -> str:
     return raw[:TAIL_LINE_CHARS * 4].decode("utf-8", errors="replace")[:TAIL_LINE_CHARS]
-
-
-class RankStdio:
-    """The descriptors one rank's stdout and stderr are made of, and the ends the supervisor
-    reads: a pseudo-terminal for a stream that goes to a terminal console (torchrun's rank
-    writes to that terminal itself), a pipe for every other one.
-
-    ``child_out``/``child_err`` are given to the rank and closed here once it started
-    (:meth:`started`), so that the rank's exit ends the stream; ``reads`` are ``(fd, is_err)``,
-    non-blocking, closed by :meth:`close`. A pseudo-terminal passes bytes unchanged (no
-    ``\\n`` to ``\\r\\n``), has the console's size less the prefix's width (a progress bar
-    fits one line), follows the console's size when it changes (:meth:`resize`), and is no
-    controlling terminal of the rank (its own session), as under torchrun, where ranks run in
-    sessions of their own too.
-    """
-
-    def __init__(self, tty_out: Console | None, tty_err: Console | None, prefix_width: int) -> None:
-        self.reads: list[tuple[int, bool]] = []
-        self._child: list[int] = []
-        self._ptys: list[tuple[int, Console]] = []  # (our end, the console it mirrors)
-        self.prefix_width = prefix_width
-        try:
-            self.child_out = self._open(False, tty_out, prefix_width)
-            self.child_err = self._open(True, tty_err, prefix_width)
-        except OSError:
-            self.started()
-            self.close()
-            raise
-
-    def _open(self, is_err: bool, tty: Console | None, prefix_width: int) -> int:
-        if tty is None:
-            read, write = os.pipe()
-        else:
-            read, write = os.openpty()
-            _raw_output(write, tty.winsize(), prefix_width)
-            self._ptys.append((read, tty))
-        os.set_blocking(read, False)
-        self.reads.append((read, is_err))
-        self._child.append(write)
-        return write
-
-    def resize(self) -> None:
-        """The console's size changed (SIGWINCH): the rank's pseudo-terminals take it, less the
-        prefix, as a rank under torchrun reads the terminal's new size when it asks."""
-        for fd, tty in self._ptys:
-            size = _rank_size(tty.winsize(), self.prefix_width)
-            if size is not None:
-                import fcntl
-                import termios
-
-                with contextlib.suppress(OSError):
-                    fcntl.ioctl(fd, termios.TIOCSWINSZ, size)
-
-    def started(self) -> None:
-        """The rank holds its own copies now (or never will): close the parent's."""
-        for fd in self._child:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._child.clear()
-
-    def close(self) -> None:
-        for fd, _ in self.reads:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.reads.clear()
-        self._ptys.clear()
-
-
-def _raw_output(slave: int, winsize: bytes | None, prefix_width: int) -> None:
-    import fcntl
-    import termios
-
-    attrs = termios.tcgetattr(slave)
-    attrs[1] &= ~termios.OPOST  # oflag: what the rank writes arrives unchanged
-    attrs[3] &= ~termios.ECHO  # lflag: nothing is typed into it (stdin is the launcher's)
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
-    size = _rank_size(winsize, prefix_width)
-    if size is not None:
-        with contextlib.suppress(OSError):
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
-
-
-def _rank_size(winsize: bytes | None, prefix_width: int) -> bytes | None:
-    if winsize is None:
-        return None
-    rows, cols, xpix, ypix = struct.unpack("HHHH", winsize)
-    cols = max(20, cols - prefix_width) if cols else cols
-    return struct.pack("HHHH", rows, cols, xpix, ypix)
 
 
 class RankRelay:
