@@ -188,11 +188,11 @@ def _only(uuid: str) -> Any:
 
 def test_a_large_request_is_overtaken_for_a_bounded_time_only(scenario, lease_dir, monkeypatch,
                                                               tmp_path) -> None:
-    from gpuwarden.lease import attempt
+    from gpuwarden.lease import line
 
     scenario("two_80")
     bound = 4.0
-    monkeypatch.setattr(attempt, "OVERTAKE_BOUND_S", bound)
+    monkeypatch.setattr(line, "OVERTAKE_BOUND_S", bound)
     stop = tmp_path / "stop"
     holder = os.fork()
     if holder == 0:
@@ -462,11 +462,11 @@ def test_mixed_whole_slot_and_memory_leases_with_deaths_are_never_double_booked(
         scenario, lease_dir, tmp_path, monkeypatch) -> None:
     import random
 
-    from gpuwarden.lease import attempt
+    from gpuwarden.lease import line
     from tests._lease_util import fork_child
 
     scenario("two_idle")  # 2 x 24 GiB: every kind competes for the same memory
-    monkeypatch.setattr(attempt, "OVERTAKE_BOUND_S", 2.0)  # inherited by the forked children
+    monkeypatch.setattr(line, "OVERTAKE_BOUND_S", 2.0)  # inherited by the forked children
     out = tmp_path / "holds.jsonl"
     rng = random.Random(41)
     kinds = [rng.choice(KINDS) for _ in range(32)]

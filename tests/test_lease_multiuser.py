@@ -656,9 +656,9 @@ def test_arrival_order_is_kept_against_forged_tickets_and_raw_flocks(shared, mal
     plants `holder.<id>.json` under every ticket's id. Order is the kernel's (birth times):
     root is served first, the forged ticket is Mallory's own request (never root's), and once
     it does not take the GPU it could, it holds nothing back from Trudy."""
-    from gpuwarden.lease import attempt
+    from gpuwarden.lease import line
 
-    monkeypatch.setattr(attempt, "IDLE_TURN_S", 1.0)
+    monkeypatch.setattr(line, "IDLE_TURN_S", 1.0)
     leases = shared / "tmp" / "leases"
     leases.mkdir(mode=0o700)
     _init(leases)

@@ -25,15 +25,8 @@ from typing import BinaryIO
 
 from gpuwarden.boundedio import InputRefused, open_stream
 from gpuwarden.errors import InputUnreadableError
-from gpuwarden.explain.engine import (
-    BLOCK_BYTES,
-    NONE_CODE,
-    Diagnosis,
-    EvidenceLine,
-    Explainer,
-    Finding,
-    rank_of,
-)
+from gpuwarden.explain.diagnosis import NONE_CODE, Diagnosis, Finding
+from gpuwarden.explain.engine import BLOCK_BYTES, EvidenceLine, Explainer, rank_of
 from gpuwarden.explain.knowledge import KnowledgeBase, load_knowledge
 
 __all__ = [

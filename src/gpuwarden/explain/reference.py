@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from gpuwarden import errors
-from gpuwarden.explain.engine import NONE_FINDING
+from gpuwarden.explain.diagnosis import NONE_FINDING
 from gpuwarden.explain.knowledge import ANY_CODE, CodeEntry, KnowledgeBase, load_knowledge
 
 DOC_PATH = "docs/failure-codes.md"

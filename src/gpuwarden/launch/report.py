@@ -22,7 +22,7 @@ from gpuwarden.procs import describe_exit, shell_exit_code, signal_name
 from gpuwarden.safetext import escape_untrusted
 
 if TYPE_CHECKING:  # explain (and its knowledge base) loads only when a rank failed
-    from gpuwarden.explain.engine import Finding as Diagnosed
+    from gpuwarden.explain.diagnosis import Finding as Diagnosed
 
 TRACEBACK_TAIL_LINES = 12
 EXIT_NODE_ABORTED = 1

@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableError
 from gpuwarden.lease import _fs, _locks
 from gpuwarden.lease._watch import DirWatch
-from gpuwarden.lease.attempt import Attempt, Waiter, attempt
+from gpuwarden.lease.attempt import attempt
 from gpuwarden.lease.grant import Grant, LeaseRequest, make_request
 from gpuwarden.lease.records import Scanner
 from gpuwarden.lease.status import GpuState, OnWait, WaitStatus
+from gpuwarden.lease.waiter import Attempt, Waiter
 from gpuwarden.select import Constraints
 from gpuwarden.units import format_duration
 
