@@ -40,6 +40,7 @@ from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
+from gpuwarden.launch.ranks.pipes import RankPipes
 from gpuwarden.launch.ranks.relay import JobRelay, RankRelay
 from gpuwarden.launch.ranks.stdio import RankStdio
 from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
@@ -128,13 +129,10 @@ class Supervisor:
                               plain_console=self.config.plain_console,
                               collapse_window_s=self.config.collapse_window_s)
         self._resized = False  # SIGWINCH: the terminal's size changed
-        # fd -> (rank, is_err): streams not read for now, their lines waiting in the terminal's
-        # view for the other ranks' (relay.accepts); read again as soon as those leave
-        self._paused: dict[int, tuple[_Rank, bool]] = {}
-        self._ending = False  # the last reads after every rank exited: whole pipes
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
+        self._pipes = RankPipes(self._sel)  # the ranks' streams in it (paused while the view waits)
         self._interrupt: str | None = None
         self._stop_signal = signal.SIGTERM  # what a stop sends the ranks: the one received
         self._hurry = False  # a second stop signal (Ctrl-C twice): SIGKILL without the grace
@@ -303,11 +301,9 @@ class Supervisor:
         # do not wait for EOF longer than a moment). Only the ranks' pipes are waited for: the
         # signal wake-up, the endpoint and the node agent stay registered to the end. Every
         # pipe is read to its end now, none paused.
-        self._ending = True
-        for fd in list(self._paused):
-            self._resume(fd)
+        self._pipes.end()
         deadline = time.monotonic() + 0.3
-        while self._rank_pipes_open() and time.monotonic() < deadline:
+        while self._pipes.is_open() and time.monotonic() < deadline:
             if not self._pump(0.05):
                 break
 
@@ -468,7 +464,7 @@ class Supervisor:
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
-                self._drain(r)
+                self._pipes.drain(r)
                 r.exit.stderr_tail = list(r.relay.stderr_tail)
                 if not r.exit.fatal_dump.strip():
                     # torch's @record (elastic's error handler) re-enables faulthandler on
@@ -489,7 +485,7 @@ class Supervisor:
             self._peer_files.late_abort()  # the ranks are gone: their peers files are final
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)  # the node agent's pipe too (it outlives the round)
-        self._paused.clear()
+        self._pipes.clear()
         self._sel.close()
         for r in self.ranks:
             r.stdio.close()
@@ -507,7 +503,7 @@ class Supervisor:
         deadlines (a line held on a terminal for the same line of other ranks) cut the wait.
 
         With the terminal's view each ready stream is read once per round, the streams in
-        turn (_read_stream), and rounds follow one another here while output keeps coming,
+        turn (ranks/pipes.py), and rounds follow one another here while output keeps coming,
         for at most PUMP_ROUNDS_S: the loop's other work (reaping, sampling) is not done for
         every few kilobytes; a signal ends the rounds at once."""
         due = self.relay.next_due()
@@ -536,59 +532,15 @@ class Supervisor:
                     continue
                 rank, is_err = key.data
                 got = True
-                self._read_stream(rank, key.fd, is_err)
+                self._pipes.read(rank, key.fd, is_err)
             if self._resized:
                 self._resized = False
                 self.relay.resized()
             self.relay.tick()
-            for fd, (rank, is_err) in list(self._paused.items()):
-                if rank.relay.accepts(is_err):
-                    self._resume(fd)
+            self._pipes.resume_ready()
             if signalled or not ready or time.monotonic() >= rounds_until:
                 return got
             timeout = 0.0
-
-    def _resume(self, fd: int) -> None:
-        rank, is_err = self._paused.pop(fd)
-        self._sel.register(fd, selectors.EVENT_READ, (rank, is_err))
-
-    def _rank_pipes_open(self) -> bool:
-        return bool(self._paused) or any(
-            isinstance(key.data, tuple) for key in self._sel.get_map().values())
-
-    def _drain(self, rank: _Rank) -> None:
-        """Everything still in a rank's pipes (it exited): a paused stream too."""
-        for fd in [fd for fd, _ in rank.stdio.reads if fd in self._paused]:
-            self._resume(fd)
-        registered = {k.fd for k in self._sel.get_map().values()}
-        for fd, is_err in rank.stdio.reads:
-            if fd in registered:
-                self._read_stream(rank, fd, is_err, drain=True)
-
-    def _read_stream(self, rank: _Rank, fd: int, is_err: bool, drain: bool = False) -> None:
-        # A stream the terminal's view collapses is read once per wake-up, the others' in
-        # turn: ranks that print the same lines as fast as they can then reach the view
-        # milliseconds apart, not one pipe's worth of lines apart (read until empty, the first
-        # rank read keeps the relay busy while the other ranks' lines wait in their buffers);
-        # and not at all while its lines wait for the other ranks' (relay.accepts).
-        once = rank.relay.viewed(is_err) and not drain and not self._ending
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:  # EIO: the rank's end of its pseudo-terminal is closed
-                data = b""
-            if not data:
-                self._sel.unregister(fd)
-                rank.relay.finish(is_err)
-                return
-            rank.relay.feed(is_err, data)
-            if once:
-                if not rank.relay.accepts(is_err):
-                    self._sel.unregister(fd)
-                    self._paused[fd] = (rank, is_err)
-                return
 
     # ---- stalls ----------------------------------------------------------------------------
 
