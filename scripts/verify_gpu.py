@@ -406,7 +406,7 @@ class Context:
                   if stages is None or s == "versions" or s in stages}
         total = sum(chosen.values())
         t = self.start
-        for stage, share in STAGE_SHARES.items():
+        for stage in STAGE_SHARES:
             t += chosen.get(stage, 0.0) / total * budget_s
             self.deadlines[stage] = t
 

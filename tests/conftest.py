@@ -1,11 +1,44 @@
-"""Shared test fixtures: the `gpu` marker, simulated hosts, and the no-leftover-process check."""
+"""Shared test fixtures: the `gpu` marker, simulated hosts, the no-leftover-process check, and
+the real Slurm cluster (tests/_slurm.py).
+
+How the suite runs (scripts/test): in parallel with pytest-xdist (``-n``, ``--dist loadgroup``),
+in a random order (pytest-randomly; ``-p no:randomly`` for the file's order, ``-p randomly -p
+"randomly_seed=N"`` to repeat one). So no test may count on another having run before it, on
+running in the same process as another, or on the environment another left behind (the
+``_own_environment`` fixture puts ``os.environ`` back after every test).
+
+**An expensive fixture** (a cluster, daemons, network namespaces with jobs in them, an external
+test-suite, a job that several tests query) is built once per *worker process* that needs it:
+module- and session-scoped fixtures are per worker under xdist. Keep its tests on one worker by
+giving them one group, and its cost is paid once::
+
+    pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+
+    @pytest.fixture(scope="session")  # or "module": the group decides where it is built
+    def slurm_cluster(tmp_path_factory): ...
+
+Every module that uses the fixture names the same group (a session fixture shared by three
+modules: all three say ``xdist_group("slurm")``). A group runs its tests one after another on
+one worker, so a group is a chain: give one only to what is expensive to build twice or must
+not run beside itself (two ``slurmctld`` on one port), and list it in ``LONG_GROUPS`` below
+when its chain is long, so it starts first. Tests of a group still run in a random order: a
+fixture that must see the end of its tests checks that in its own teardown, not in a test that
+"runs last". Cheap fixtures (a temporary directory, a user, namespaces without jobs) need no
+group.
+
+**Slow tests** (``@pytest.mark.slow``: they start interpreters that import torch, clusters,
+namespaces; over about a second on a quiet machine) are left out by ``scripts/test --quick``,
+the inner loop's unit tier.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -27,12 +60,68 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["GPUWARDEN_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="gpuwarden-test-run-")
 
 
+# Groups whose chain of tests is the longest (minutes): started before anything else, so the
+# rest of the suite runs beside them instead of after them.
+LONG_GROUPS = ("external-suites", "slurm", "slurm-pgid", "slurm-two-hosts")
+
+
+# trylast: after pytest-randomly's shuffle and pytest's own grouping by parametrized fixtures,
+# both of which the stable sort below keeps within each rank.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("gpu" in item.keywords for item in items) and not real_gpu_present():
         skip = pytest.mark.skip(reason="needs a real NVIDIA GPU (NVML reports none here)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # The longest chains first: xdist hands out work in this order (``--no-loadscope-reorder``),
+    # and a long test started last is the wall time of the whole run.
+    items.sort(key=_start_rank)  # stable: the random (or the file's) order within each rank
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup"):
+        _refuse_lost_groups(items)
+
+
+def _group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def _start_rank(item: pytest.Item) -> int:
+    group = _group(item)
+    if group in LONG_GROUPS:
+        return 0
+    if group is not None:
+        return 1
+    return 2 if item.get_closest_marker("slow") else 3
+
+
+def _refuse_lost_groups(items: list[pytest.Item]) -> None:
+    """xdist passes a test's group to its scheduler as a suffix of the test's id ("...@dask");
+    where pytest ignores that (pytest 9.2 with xdist 3.8: pytest-xdist issue 1386), grouped
+    tests would be spread over the workers, each building the group's fixture again and
+    running beside each other: stop instead."""
+    lost = [item.nodeid for item in items if _group(item) and "@" not in item.nodeid]
+    if lost:
+        why = (f"--dist loadgroup is not honoured by this pytest and pytest-xdist ({lost[0]} has "
+               "no @group in its id; pytest-xdist issue 1386): install the test extra's versions "
+               "(scripts/setup), or run without workers (-n 0)")
+        sys.stderr.write(f"\nerror: {why}\n")  # a worker's exception reaches the terminal mangled
+        raise pytest.UsageError(why)
+
+
+@pytest.fixture(autouse=True)
+def _own_environment() -> Iterator[None]:
+    """Every test starts from the environment the session started with. A command run
+    in-process through ``main()`` may change ``os.environ`` as the command's own process would
+    (``gpuwarden worker`` empties CUDA_VISIBLE_DEVICES for its children): that must not reach
+    the tests after it, nor the processes they start (a later ``gpuwarden ls`` saw no GPU)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture
@@ -61,8 +150,16 @@ def lease_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def wait_until_gone(pids: list[int], timeout_s: float = 5.0) -> list[int]:
-    """Pids among ``pids`` still alive (zombies count as gone) after up to ``timeout_s``."""
+# How long a process the test stopped may take to finish dying before it counts as left behind:
+# an interpreter with torch loaded takes seconds to tear down on a loaded 2-core machine, and
+# a leaked process never ends (the tests' own sleep a minute or more), so a generous bound
+# costs time only when something leaked.
+LEFTOVER_GRACE_S = 15.0
+
+
+def wait_until_gone(pids: list[int], timeout_s: float = LEFTOVER_GRACE_S) -> list[int]:
+    """Pids among ``pids`` still alive (zombies count as gone) after up to ``timeout_s``: it
+    returns as soon as all are gone, so the bound is spent only on a leak."""
     deadline = time.monotonic() + timeout_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
@@ -77,12 +174,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-# How long a process the test stopped may take to finish dying before it counts as left behind:
-# an interpreter with torch loaded takes seconds to tear down on a loaded 2-core machine, and
-# a leaked process never ends, so a generous bound costs time only when something leaked.
-LEFTOVER_GRACE_S = 15.0
 
 
 @pytest.fixture
@@ -113,3 +204,54 @@ def real_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine's own GPUs: no simulated host, no inherited CUDA_VISIBLE_DEVICES."""
     monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+# -- a real Slurm cluster (tests/_slurm.py) ---------------------------------------------------
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Any]:
+    """Two slurmd nodes beside slurmctld on this machine, started once per session (the
+    first test that asks) and stopped at its end; skips with the reason where it cannot be had.
+    Under pytest-xdist a session is a worker: every test that uses it is in
+    ``xdist_group("slurm")``, so that one worker starts the daemons (tests/test_slurm.py)."""
+    from tests import _slurm
+
+    reason = _slurm.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = _slurm.start_cluster()
+    yield cluster
+    problems = _slurm.destroy_cluster(cluster)
+    assert not problems, problems
+
+
+@pytest.fixture
+def slurm(slurm_cluster: Any, no_leftover_processes: None) -> Iterator[Any]:
+    """The session's Slurm cluster, checked after the test: see :func:`slurm_checked`."""
+    yield from slurm_checked(slurm_cluster)
+
+
+def slurm_checked(cluster: Any) -> Iterator[Any]:
+    """Yield ``cluster``; afterwards cancel whatever still runs and fail the test when a
+    process is left in the cluster's namespaces (slurmstepd, a task, a rank whose parent died)
+    or a node is not idle: the next test gets a clean cluster either way."""
+    import signal
+
+    yield cluster
+    cluster.cancel_all()
+    left = cluster.wait_no_job_processes(30)
+    described = cluster.describe(left)
+    for pid in left:  # processes of this cluster's jobs, in its own namespaces
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        cluster.wait_idle(30)
+        not_idle = ""
+    except RuntimeError as exc:
+        not_idle = str(exc).splitlines()[0]
+        cluster.run(["scontrol", "update", f"NodeName={','.join(cluster.nodes)}",
+                     "State=RESUME"], timeout=30)
+    assert not left, f"processes left in the Slurm cluster: {described}"
+    assert not not_idle, not_idle

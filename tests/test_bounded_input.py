@@ -185,6 +185,7 @@ def test_constraints_refuse_malformed_ids_from_the_library() -> None:
     assert Constraints(include=("0", "GPU-1f0e8c52", "MIG-1f0e8c52-aaaa")).include
 
 
+@pytest.mark.slow
 def test_planted_fifos_and_devices_in_the_lease_dir_block_nothing(tmp_path: Path) -> None:
     # Any local user can create files in the shared lease directory: a FIFO under a record's,
     # the mutex's or a temporary file's name, a record that links to /dev/zero, a deep JSON.

@@ -22,6 +22,7 @@ class Squares(Dataset[torch.Tensor]):
         return torch.tensor([i * i])
 
 
+@pytest.mark.slow
 def test_poisoned_parent_gets_forkserver_and_the_loader_iterates(monkeypatch) -> None:
     # No leftover-process check here: multiprocessing's forkserver and resource tracker
     # live as long as the interpreter, by design of the standard library.

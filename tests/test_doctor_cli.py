@@ -169,6 +169,7 @@ def test_doctor_never_imports_torch_or_cuda_in_its_own_process() -> None:
 
 # --- torch's view: version file for CPU builds, a real subprocess otherwise --------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_torch_probe_subprocess_agrees_with_the_version_file() -> None:
     import torch  # the test process may import it; the doctor's own process never does

@@ -83,6 +83,7 @@ def test_unresolvable_master_addr_is_rdzv_dns_within_3_s() -> None:
     assert elapsed < 7.0  # the resolver is cut at 3 s; margin for a loaded machine
 
 
+@pytest.mark.slow
 def test_a_hanging_resolver_is_cut_off_at_3_s(monkeypatch: pytest.MonkeyPatch) -> None:
     real = socket.getaddrinfo
 

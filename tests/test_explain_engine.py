@@ -183,6 +183,7 @@ class _GeneratedLog(io.RawIOBase):
         return n
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_large_log_streams_in_bounded_memory() -> None:
     total = 48 << 20

@@ -9,6 +9,8 @@ import subprocess
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import pytest
+
 from gpuwarden.cli import build_parser, main
 from gpuwarden.errors import GPUWARDEN_CODES
 from gpuwarden.explain import load_knowledge
@@ -37,6 +39,7 @@ def test_every_code_has_cause_fix_and_what_to_look_at_next_in_the_reference() ->
     assert "\n### NONE\n" in text
 
 
+@pytest.mark.slow
 def test_the_check_mode_of_the_script_fails_on_a_stale_page(tmp_path: Path) -> None:
     stale = tmp_path / "failure-codes.md"
     stale.write_text("# Failure codes\n")
@@ -78,6 +81,7 @@ def test_nothing_in_readme_docs_sources_or_help_points_outside_the_repository() 
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_every_module_with_an_error_class_is_imported_by_the_generator() -> None:
     """The reference lists the classes that carry each code by walking the subclasses of
     GpuwardenError, so a class in a module nobody imported would be missing or present by

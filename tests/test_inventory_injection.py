@@ -66,6 +66,7 @@ def visible_devices(_: int) -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")  # in the worker
 
 
+@pytest.mark.slow
 def test_gpu_pool_takes_gpus_from_the_injected_host(no_default_host: None) -> None:
     inventory = Inventory(SimulatedBackend(SCENARIOS / "two_gpu.json"), env={})
     with GPUPool(gpus="auto", inventory=inventory, preload=(), start_method="spawn") as pool:
@@ -89,6 +90,7 @@ def test_launch_and_doctor_read_the_inventory_given_to_main(no_default_host: Non
     assert "4 GPU" in json.dumps(checks)
 
 
+@pytest.mark.slow
 def test_the_joblib_backend_passes_the_inventory_on(no_default_host: None) -> None:
     from joblib import Parallel, delayed, parallel_config
 

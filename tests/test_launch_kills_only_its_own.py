@@ -32,7 +32,7 @@ from tests.conftest import SCENARIOS, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "launch_scripts"
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
 
@@ -158,7 +158,7 @@ def test_no_descendant_outlives_a_sigkilled_supervisor(tmp_path: Path, mallory: 
     proc.kill()  # SIGKILL: no cleanup code of the supervisor runs
     proc.communicate(timeout=30)
     shutil.rmtree(piddir, ignore_errors=True)
-    left = wait_until_gone(pids, 5.0)
+    left = wait_until_gone(pids)
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -218,4 +218,4 @@ def test_a_memory_error_in_the_supervisor_is_a_report_and_stops_the_ranks(tmp_pa
     assert "error[OUT_OF_MEMORY]" in text and "Traceback" not in text, text
     pids = [int(p) for p in (tmp_path / "rank0.pids").read_text().split()] \
         if (tmp_path / "rank0.pids").exists() else []
-    assert not wait_until_gone(pids, 5.0)
+    assert not wait_until_gone(pids)

@@ -29,7 +29,7 @@ from tests.conftest import SCENARIOS, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "launch_scripts"
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)
@@ -158,7 +158,7 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
     # survivors ignore SIGTERM: only SIGKILL after the grace period ends them
     assert ended - failed_at < grace + 1.5, ended - failed_at
     assert "rank 0: pid" in err and "stopped by gpuwarden (signal SIGKILL(-9))" in err
-    assert not wait_until_gone(pids_in(tmp_path), 2.0)  # ranks and their own children
+    assert not wait_until_gone(pids_in(tmp_path))  # ranks and their own children
     if mode == "raise":
         assert 'File "' + str(SCRIPTS / "crash.py") in err and "_bootstrap.py" not in err
     if mode in ("segv", "fpe"):
@@ -181,7 +181,7 @@ def test_echo_in_peer_is_not_blamed(capsys: pytest.CaptureFixture[str]) -> None:
     assert fields["explain"]["requested_bytes"] == 2 * 1024**3
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode, code_name, where", [
     ("noinit", "RDZV_WORKERS_MISSING", "init_process_group"),
     ("collective", "RANK_STALL", "all_reduce"),
@@ -194,13 +194,14 @@ def test_stall_names_missing_rank_with_its_stack(capsys: pytest.CaptureFixture[s
                             str(SCRIPTS / "stall.py"), mode)
     took = time.monotonic() - start
     assert code == 1
-    assert f"error[{code_name}]: rank(s) 0 waited in {where} for more than" in err
+    assert f"error[{code_name}]: rank(s) 0 waited in {where} for more than {stall_s:g} s" in err
     assert "rank(s) 1 of 2 did not get there" in err
     assert "stack of rank 1 (innermost first):" in err
     stack1 = err.split("stack of rank 1 (innermost first):")[1]
     assert "stall.py\", line" in stack1 and ("line 8" in stack1 if mode == "noinit" else "line 14" in stack1)
-    # rank startup (torch import) + the timeout + the stack dump + stopping
-    assert took < stall_s + 12, took
+    # Named at --stall-timeout, not at the default 300 s: rank startup (two torch imports, 20 s
+    # and more on a loaded 2-core machine) + the timeout + the stack dump + stopping.
+    assert took < stall_s + 60, took
 
 
 def _launcher(tmp_path: Path, *argv: str) -> subprocess.Popen[bytes]:
@@ -217,7 +218,7 @@ def test_supervisor_sigterm_stops_every_rank(tmp_path: Path) -> None:
     _out, err = proc.communicate(timeout=10)
     assert proc.returncode == 128 + signal.SIGTERM
     assert b"error[LAUNCH_INTERRUPTED]: gpuwarden received SIGTERM" in err
-    assert not wait_until_gone(pids_in(tmp_path), 2.0)
+    assert not wait_until_gone(pids_in(tmp_path))
 
 
 @pytest.mark.timeout(60)
@@ -228,7 +229,7 @@ def test_supervisor_sigkill_leaves_no_orphan(tmp_path: Path) -> None:
     assert all(psutil.pid_exists(p) for p in pids)
     proc.kill()
     proc.communicate(timeout=10)
-    left = wait_until_gone(pids, 5.0)
+    left = wait_until_gone(pids)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"orphans: {left}"
@@ -375,4 +376,4 @@ def test_multinode_ranks_ignoring_sigterm_are_killed_after_grace(
         assert outcome.exits[rank].returncode == -signal.SIGKILL
     if node_rank == 1:
         assert outcome.stopped_for == "abort"
-    assert not wait_until_gone(pids_in(tmp_path), 3.0)
+    assert not wait_until_gone(pids_in(tmp_path))

@@ -112,6 +112,7 @@ def _launch(capsys: pytest.CaptureFixture[str], mode: str, **kw: object):  # typ
     return report, outcome, out, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("cpu_host")
 def test_a_rank_sigkilled_after_init_is_restarted_and_the_job_finishes(
@@ -133,6 +134,7 @@ def test_a_rank_sigkilled_after_init_is_restarted_and_the_job_finishes(
     assert "on attempt 2 of 3 (after 1 restart(s)" in report.what
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("cpu_host")
 def test_a_failure_of_the_stores_rank_after_init_leaves_the_next_rendezvous_working(
@@ -146,6 +148,7 @@ def test_a_failure_of_the_stores_rank_after_init_leaves_the_next_rendezvous_work
     assert "Connection refused" not in out + err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("cpu_host")
 def test_the_same_keyerror_twice_ends_the_job_after_the_second_attempt(
@@ -159,6 +162,7 @@ def test_the_same_keyerror_twice_ends_the_job_after_the_second_attempt(
     assert "KeyError" in report.what
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_gpu_that_showed_a_hardware_fault_is_swapped_for_another(
         capsys: pytest.CaptureFixture[str], scenario, lease_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ SCRIPTS = Path(__file__).parent / "launch_scripts"
 KINDS = str(SCRIPTS / "stall_kinds.py")
 STALL_S = 4.0
 TEARDOWN_ABORT = "terminate called without an active exception"
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)
@@ -208,7 +208,7 @@ def test_a_ranks_daemon_does_not_outlive_the_job(capsys: pytest.CaptureFixture[s
     code, _out, err = _cli(capsys, "-n", "2", "--cpu", str(SCRIPTS / "contract.py"), "daemon")
     assert code == 0, err
     pids = [int((tmp_path / f"daemon{rank}.pid").read_text()) for rank in range(2)]
-    assert not wait_until_gone(pids, 2.0), "a double-forked setsid daemon outlived the launch"
+    assert not wait_until_gone(pids), "a double-forked setsid daemon outlived the launch"
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -279,14 +280,14 @@ def test_relay_is_linear_in_the_bytes() -> None:
     (the old relay re-split the whole pending line on every read)."""
     relay = StreamRelay(b"[rank0]: ", _console(io.BytesIO()), None)
     chunk = b"x" * 65536
-    start = time.monotonic()
+    start = time.process_time()  # CPU time (0.1 s here): a loaded machine stretches wall time
     for _ in range(50_000_000 // len(chunk)):
         relay.feed(chunk)
     lines = b"".join(b"line %d\n" % i for i in range(10_000))
     for _ in range(100):
         relay.feed(lines)
     relay.finish()
-    assert time.monotonic() - start < 5
+    assert time.process_time() - start < 5
 
 
 def test_rank_outputs_follow_torchruns_redirect_tee_and_filter_rules() -> None:
@@ -325,6 +326,7 @@ def test_a_teed_stream_is_tagged_as_torchrun_tags_it() -> None:
         assert not (n.tee_out or n.tee_err) and n.prefix_of(False) == b"[rank1]: "
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tee_tags_and_duplicate_filters_are_torchruns(tmp_path: Path) -> None:
     """torchrun itself, beside gpuwarden launch, the same flags: console lines of -t, and
@@ -344,14 +346,27 @@ def test_tee_tags_and_duplicate_filters_are_torchruns(tmp_path: Path) -> None:
         (filtered,) = logs.glob("*/attempt_0/filtered_stdout.log")
         return sorted(done.stdout.splitlines()), sorted(filtered.read_text().splitlines())
 
+    # torchrun's own output is the reference only as characters. Its ranks run `python -u`:
+    # print() writes a line's text and its newline apart. Without -t both ranks write to the
+    # one console, with -t tail threads copy their logs a readline() at a time (a line read
+    # before its newline came goes out without it); either way, on a loaded machine one rank's
+    # text lands between another's text and newline ('loss 1 from rank 0loss 1 from rank 1',
+    # then an empty line). gpuwarden relays whole lines: its lines are checked exactly.
+    def chars(lines: list[str]) -> list[str]:
+        return sorted("".join(lines))
+
+    printed = [f"{what} from rank {r}" for r in (0, 1) for what in ("loss 1", "other")]
     torchrun = [str(Path(sys.executable).parent / "torchrun")]
     theirs = run(torchrun, tmp_path / "t1", "-t", "3")
-    assert run([GPUWARDEN, "launch"], tmp_path / "g1", "-t", "3") == theirs
-    assert theirs[1] == ["[trainer0]:loss 1 from rank 0", "[trainer1]:loss 1 from rank 1"]
+    ours = run([GPUWARDEN, "launch"], tmp_path / "g1", "-t", "3")
+    assert ours[0] == sorted(f"[trainer{line[-1]}]:{line}" for line in printed)
+    assert ours[1] == ["[trainer0]:loss 1 from rank 0", "[trainer1]:loss 1 from rank 1"]
+    assert (chars(theirs[0]), chars(theirs[1])) == (chars(ours[0]), chars(ours[1]))
     theirs = run(torchrun, tmp_path / "t2")
     ours = run([GPUWARDEN, "launch"], tmp_path / "g2")
     assert ours[1] == theirs[1] == []  # without -t torchrun's filters read nothing
-    assert sorted(line.split(": ", 1)[1] for line in ours[0]) == theirs[0]  # [rankN]: kept
+    assert sorted(line.split(": ", 1)[1] for line in ours[0]) == sorted(printed)  # [rankN]: kept
+    assert chars(theirs[0]) == chars(printed)
 
 
 _wrappers: list[io.TextIOWrapper] = []  # a collected wrapper would close its BytesIO
@@ -364,6 +379,7 @@ def _console(sink: io.BytesIO) -> Console:
 
 # ---- GPU visibility --------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("idiom", ["to", "ddp", "accelerator", "map_location"])
 def test_torchrun_idioms_get_their_own_gpu_on_a_simulated_host(
@@ -416,6 +432,7 @@ def test_misplaced_ranks_are_judged_from_one_snapshot() -> None:
     assert watch.check(lambda: ranks) is None  # said once
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_ranks_crowding_one_gpu_are_reported_with_the_fix(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -448,6 +465,7 @@ def test_ranks_crowding_one_gpu_are_reported_with_the_fix(
 
 # ---- processes: logs, flags, signals, relay ---------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_log_flags_and_what_each_rank_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     logs = tmp_path / "logs"
@@ -476,6 +494,7 @@ def test_log_flags_and_what_each_rank_runs(capsys: pytest.CaptureFixture[str], t
     assert code == 0 and "[rank0]: line 0 of rank 0" in out, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_c10d_endpoint_on_one_node_runs_a_real_gloo_job(capsys: pytest.CaptureFixture[str]) -> None:
     from gpuwarden.net import pick_free_port
@@ -501,6 +520,7 @@ def _wait_ready(tmp_path: Path, n: int, proc: subprocess.Popen[bytes]) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_sigusr1_reaches_every_rank_and_the_job_goes_on(tmp_path: Path) -> None:
@@ -513,6 +533,37 @@ def test_sigusr1_reaches_every_rank_and_the_job_goes_on(tmp_path: Path) -> None:
     assert all(p.read_text() == "1" for p in tmp_path.glob("usr1.*"))  # each got it once
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_a_signal_sent_to_the_whole_process_tree_reaches_each_rank_once(tmp_path: Path) -> None:
+    """What Slurm's proctrack/linuxproc does with a preemption notice (`scancel -s USR1`,
+    `--signal=USR1@T`): every process of the launcher's tree gets it, one after the other,
+    the ranks included. The launcher passing it on again ran their handler twice (issue 35).
+    Standard signals arriving together merge, so one notice proves little: three are sent."""
+    import psutil
+
+    proc = _start(tmp_path, "-n", "2", str(SCRIPTS / "slurm_notice.py"), str(tmp_path))
+    _wait_ready(tmp_path, 2, proc)
+    notices = [tmp_path / f"notice.{r}" for r in range(2)]
+    try:
+        for k in range(1, 4):
+            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+            for pid in tree:  # processes this test started, the launcher first as Slurm lists it
+                os.kill(pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 20
+            while (min(len(p.read_text().splitlines()) if p.exists() else 0 for p in notices) < k
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
+        time.sleep(0.5)  # a second delivery of the last one, if any, lands meanwhile
+    finally:
+        (tmp_path / "go").touch()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
+    assert [len(p.read_text().splitlines()) for p in notices] == [3, 3]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_ctrl_c_is_passed_on_and_a_second_one_skips_the_grace(tmp_path: Path) -> None:
@@ -534,23 +585,34 @@ def test_ctrl_c_is_passed_on_and_a_second_one_skips_the_grace(tmp_path: Path) ->
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - start < 10, err.decode()
+    assert proc.returncode == 130 and time.monotonic() - start < 30, err.decode()  # not the 60 s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_a_50_mb_line_is_relayed_in_well_under_5_s(tmp_path: Path) -> None:
+    """In CPU seconds of the launcher and its rank (0.5 s on a quiet machine, where the wall
+    time is 0.8 s; a relay that re-split the pending line took minutes): a loaded machine
+    stretches the wall clock, not the work."""
     size = 50_000_000
-    start = time.monotonic()
+    before = _children_cpu_s()
     proc = _start(tmp_path, "-n", "1", BEHAVE, "bigline", str(size))
     out, err = proc.communicate(timeout=60)
-    took = time.monotonic() - start
+    took = _children_cpu_s() - before
     assert proc.returncode == 0, err.decode()
     assert out.count(b"x") == size and out.startswith(b"[rank0]: xxx")
     assert max(len(line) for line in out.split(b"\n")) <= MAX_LINE_BYTES + len(b"[rank0]: ")
-    assert took < 5, f"{took:.1f} s"
+    assert took < 5, f"{took:.1f} s of CPU"
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended children and theirs (each waited for by its parent)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_head_1_ends_the_job_without_a_traceback(tmp_path: Path) -> None:
@@ -563,6 +625,7 @@ def test_head_1_ends_the_job_without_a_traceback(tmp_path: Path) -> None:
     assert "status=0" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["static", "pet-c10d"])
 def test_master_addr_is_torchruns_in_either_rendezvous(tmp_path: Path, mode: str) -> None:
@@ -598,6 +661,7 @@ DOCUMENTED_ENV_DIFFERENCES = {"TORCHELASTIC_USE_AGENT_STORE", "CUDA_DEVICE_ORDER
                               "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rank_gets_torchruns_environment_and_argv(tmp_path: Path) -> None:
     """The same script under `torchrun --standalone` and `gpuwarden launch --standalone`, from

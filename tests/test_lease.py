@@ -179,6 +179,7 @@ def test_children_of_a_holder_do_not_keep_its_lease(scenario, lease_dir):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_requests_are_served_in_arrival_order(scenario, lease_dir, tmp_path):
     """A 2-GPU request that arrives first is not starved by 1-GPU requests after it."""

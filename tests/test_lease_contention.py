@@ -13,7 +13,7 @@ import pytest
 
 from tests._lease_util import fork_child, hold_and_record, overlaps, read_records, wait_all
 
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 def _contend(tmp_path: Path, specs: list[dict[str, int]], hold_s: float = 0.02) -> list[dict]:

@@ -92,9 +92,11 @@ def test_a_byte_far_out_in_a_lock_file_is_named_at_once() -> None:
     for k in (1, 2, 3, 8, 1024, 65535):
         for s in (0, k - 1):
             assert _locks.slot_of_offset(_locks.slot_offset(k, s)) == (k, s)
-    start = time.perf_counter()
+    # O(1), in this thread's CPU time (microseconds; a scan up to 2**62 would take hours): a
+    # wall-clock bound of milliseconds is missed whenever a loaded machine preempts the test.
+    start = time.thread_time()
     k, _slot = _locks.slot_of_offset(2**62)
-    assert time.perf_counter() - start < 0.01 and _locks.slot_offset(k, 0) <= 2**62
+    assert time.thread_time() - start < 0.5 and _locks.slot_offset(k, 0) <= 2**62
 
 
 def test_a_memory_claim_reads_to_an_older_gpuwarden_as_a_lease_of_the_whole_gpu() -> None:
@@ -186,6 +188,7 @@ def _only(uuid: str) -> Any:
     return Constraints(include=(uuid,))
 
 
+@pytest.mark.slow
 def test_a_large_request_is_overtaken_for_a_bounded_time_only(scenario, lease_dir, monkeypatch,
                                                               tmp_path) -> None:
     from gpuwarden.lease import line
@@ -231,6 +234,7 @@ def test_a_large_request_is_overtaken_for_a_bounded_time_only(scenario, lease_di
 
 # -- the host: runs through the command line ---------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_three_20gib_runs_share_gpu0_a_70gib_run_gets_gpu1_a_30gib_run_waits_its_turn(
         scenario, lease_dir, tmp_path) -> None:
@@ -302,6 +306,7 @@ class _Lines:
         return "".join(line for _t, line in self.lines)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_past_its_lease_is_named_within_2s_on_its_stderr_and_by_leases_ls_status(
         scenario, lease_dir, tmp_path) -> None:
@@ -347,6 +352,7 @@ def test_a_run_past_its_lease_is_named_within_2s_on_its_stderr_and_by_leases_ls_
     assert run.returncode == 0  # named, not stopped: --mem-enforce warn is the default
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mem_enforce_stop_ends_the_run_that_grows_past_its_lease(scenario, lease_dir,
                                                                  tmp_path) -> None:
@@ -366,6 +372,7 @@ def test_mem_enforce_stop_ends_the_run_that_grows_past_its_lease(scenario, lease
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow
 def test_mem_enforce_stop_kills_what_ignores_sigterm_after_the_grace(scenario, lease_dir,
                                                                     tmp_path, monkeypatch,
                                                                     capsys) -> None:
@@ -457,6 +464,7 @@ def _violations(records: list[dict[str, Any]], capacity: int) -> list[str]:
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mixed_whole_slot_and_memory_leases_with_deaths_are_never_double_booked(
         scenario, lease_dir, tmp_path, monkeypatch) -> None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from gpuwarden.errors import ScenarioError, UsageError
@@ -60,6 +61,11 @@ def test_a_pid_file_names_a_real_process_timed_from_its_start(tmp_path: Path) ->
     assert backend.read_host().gpus[0].processes == ()  # no pid yet: nothing on the GPU
     child = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
     try:
+        # Popen returns once exec began; the kernel shows the new argv a moment later (an
+        # empty cmdline before: the process is then named by its comm, 'python').
+        deadline = time.monotonic() + 60
+        while not psutil.Process(child.pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.01)
         (tmp_path / "job.pid").write_text(str(child.pid))
         [proc] = backend.read_host().gpus[0].processes
         assert (proc.pid, proc.used_memory_bytes) == (child.pid, 100 * MIB)
@@ -134,6 +140,7 @@ ONE_GPU = "import os, sys, time\n" \
     "open(sys.argv[2], 'w').write(str(os.getpid()))\ntime.sleep(20)"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.timeout(120)
 def test_launch_mem_per_rank_stops_the_job_whose_rank_grows_past_it(scenario, lease_dir,

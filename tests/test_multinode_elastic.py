@@ -22,7 +22,8 @@ from test_multinode_jobs import c10d_line, finish, no_leftovers, start  # noqa: 
 STEPS = str(Path(__file__).parent / "launch_scripts" / "mn_steps.py")
 _reason = unavailable_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
-              pytest.mark.timeout(150)]
+              pytest.mark.timeout(150),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ SCRIPT = str(Path(__file__).parent / "launch_scripts" / "mn_allreduce.py")
 GPUWARDEN = str(Path(sys.executable).parent / "gpuwarden")
 _reason = unavailable_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
-              pytest.mark.timeout(120)]
+              pytest.mark.timeout(120),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,7 @@ def _launch_argv(node: int, addr: str, port: int, *extra: str) -> list[str]:
             "--master-port", str(port), "-n", "1", "--cpu", *extra, SCRIPT]
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_unresolvable_master_addr_is_rdzv_dns_at_once(hosts: Hosts) -> None:
@@ -73,6 +74,7 @@ def test_unresolvable_master_addr_is_rdzv_dns_at_once(hosts: Hosts) -> None:
     assert elapsed < STARTUP_S
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_firewall_dropping_the_port_is_connect_timeout_within_window(hosts: Hosts) -> None:
@@ -95,6 +97,7 @@ def test_firewall_dropping_the_port_is_connect_timeout_within_window(hosts: Host
     assert window_s <= elapsed < window_s + STARTUP_S
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_node_0_not_started_is_refused_and_retried_until_window(hosts: Hosts) -> None:
@@ -107,6 +110,7 @@ def test_node_0_not_started_is_refused_and_retried_until_window(hosts: Hosts) ->
         in text
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_hostname_on_loopback_warns_in_doctor_and_preflight(hosts: Hosts) -> None:
@@ -123,6 +127,7 @@ def test_hostname_on_loopback_warns_in_doctor_and_preflight(hosts: Hosts) -> Non
     assert f"gpuwarden sets GLOO_SOCKET_IFNAME={hosts.ifaces[1]}" in text
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_node_0_must_own_master_addr(hosts: Hosts) -> None:
@@ -137,6 +142,7 @@ def test_node_0_must_own_master_addr(hosts: Hosts) -> None:
     assert "error[RDZV_CONN_REFUSED]" in text
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_socket_ifname_that_does_not_exist_fails_before_launch(hosts: Hosts) -> None:
@@ -463,6 +469,7 @@ def test_the_agent_is_ready_as_soon_as_its_ready_line_is_read(monkeypatch: pytes
 
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_two_node_rehearsal_on_one_machine(tmp_path: Path) -> None:
     """`--nnodes 2 --master-addr 127.0.0.1`, both launchers on this machine (torchrun allows

@@ -21,7 +21,8 @@ hosts = jobs.hosts  # the same two named hosts' fixture (made once for this modu
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "restart.py")
 _reason = unavailable_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""),
-              pytest.mark.timeout(150)]
+              pytest.mark.timeout(150),
+              pytest.mark.slow]
 RESTART = ["--grace", "2s", "--restart-backoff", "0.5s", "--rdzv-timeout", "30s",
            "--stall-timeout", "15s"]
 

@@ -19,7 +19,7 @@ from gpuwarden.pool import CPUFallbackWarning, GPUPool
 from gpuwarden.pool._pickling import RemoteTraceback
 from tests.conftest import wait_until_gone
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
 
 def where(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:

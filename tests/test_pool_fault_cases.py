@@ -22,7 +22,7 @@ from gpuwarden.pool import GPUPool
 from tests import pool_tasks
 from tests.conftest import wait_until_gone
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 
 

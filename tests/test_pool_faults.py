@@ -29,7 +29,7 @@ from gpuwarden.pool import GPUPool
 from tests import pool_tasks
 from tests.conftest import SCENARIOS, wait_until_gone
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow, pytest.mark.xdist_group("pool-faults")]
 
 SIGNALS = ["SIGKILL", "SIGSEGV", "exit3"]
 POSITIONS = ["first", "middle", "last", "sending"]

@@ -17,7 +17,7 @@ import gpuwarden  # noqa: F401 - registers the backend
 from gpuwarden.pool.joblib_backend import shutdown_reusable_pool
 from tests import pool_tasks
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
 
 def where(x: int) -> tuple[int, int, str | None]:

@@ -2,7 +2,8 @@
 
 - joblib's own test_parallel.py (of the pinned joblib) with "gpuwarden" among its process
   backends, as "loky" and "multiprocessing" are: the copy differs from the original by that
-  one line (PROCESS_BACKENDS); the tests that name a backend run for "gpuwarden";
+  one line (PROCESS_BACKENDS); the tests that name a backend run for "gpuwarden" (their
+  subprocesses' hang guard is 6 times joblib's, for a loaded machine: joblib_suite/conftest.py);
 - CPython's own test_concurrent_futures.py (Debian's libpython3.11-testsuite, which .ci/run
   installs), its executor tests that apply to a process executor, with GPUPool as the
   executor (tests/cpython_suite/run_executor_tests.py: imported by path, never copied).
@@ -28,6 +29,8 @@ import pytest
 
 joblib = pytest.importorskip("joblib")
 pytest.importorskip("numpy")
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("external-suites")]
 
 HERE = Path(__file__).parent
 CPYTHON_START_METHOD = "forkserver"  # the default; spawn passes too (docs/pool.md), at 2x cost

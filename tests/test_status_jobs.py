@@ -29,7 +29,7 @@ from tests.conftest import SCENARIOS
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "straggler.py")
 GPUWARDEN = str(Path(sys.executable).parent / "gpuwarden")
 STRAGGLER_WITHIN_S = 30.0
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.xdist_group("status-job")]
 
 
 @dataclass
@@ -83,6 +83,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
             time.sleep(0.2)
         assert (d / "first_step").exists(), "the job never took its first step"
         yield j
+        # Checked after the module's tests, whatever their order (a test that stopped the job
+        # would have to run last): every query above ran while it worked.
+        the_job_ends_and_the_ranks_printed_only_their_own_lines(j)
     finally:
         j.stop.touch()
         try:
@@ -112,20 +115,32 @@ def test_status_shows_the_sleeping_rank_out_of_the_collective(job: Job) -> None:
                 3: "collective:all_reduce"}
         return got if got == want else None
 
-    _until("ranks 0, 1, 3 in all_reduce and rank 2 running", phases, 20)
+    _until("ranks 0, 1, 3 in all_reduce and rank 2 running", phases, 60)
     text = subprocess.run([GPUWARDEN, "status", job.id], capture_output=True, text=True,
                           timeout=30).stdout  # piped: plain, once
-    rank2 = next(line for line in text.splitlines() if line.startswith("2 "))
+    rows = [line for line in text.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")]
+    rank2 = next(line for line in rows if line.startswith("2 "))
     assert "running" in rank2 and "straggler.py:" in rank2, text
-    assert sum(" in all_reduce " in line for line in text.splitlines()) == 3, text
+    # rank rows only: once rank 2 is named the straggler, its line says "in all_reduce" too
+    assert sum(" in all_reduce " in line for line in rows) == 3, text
 
 
 def test_stacks_groups_the_waiting_ranks_and_shows_the_odd_one(job: Job) -> None:
-    started = time.monotonic()
-    r = stacks(job.id)
-    took = time.monotonic() - started
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    # Asked until the picture has rank 2 out of the collective: at the moment of a request it
+    # can be in its all_reduce with the others (then all four are one group, rightly), more
+    # often on a loaded machine, where a step's all_reduce takes longer.
+    def picture() -> list[str] | None:
+        started = time.monotonic()
+        r = stacks(job.id)
+        took = time.monotonic() - started
+        assert r.returncode == 0, r.stderr
+        # the bound is 2 s (benchmarks/bench_status.py): 0.3 s here, and an interpreter's
+        # start takes seconds at load average 20
+        assert took < 20, f"stacks took {took:.1f} s"
+        lines = r.stdout.splitlines()
+        return lines if any(line.startswith("rank 2 (1 of 4): ") for line in lines) else None
+
+    lines = _until("a picture with rank 2 out of the collective", picture, 60)
     assert lines[0].startswith(f"job {job.id}: ") and "4 rank(s)" in lines[0]
     head = next(i for i, line in enumerate(lines) if line.startswith("ranks 0-1, 3 (3 of 4): "
                                                                     "waiting in all_reduce at straggler.py:"))
@@ -133,13 +148,18 @@ def test_stacks_groups_the_waiting_ranks_and_shows_the_odd_one(job: Job) -> None
     odd = next(line for line in lines if line.startswith("rank 2 (1 of 4): running: <module> at "
                                                         "straggler.py:"))
     assert odd.endswith("<-- odd one out")
-    assert took < 10, f"stacks took {took:.1f} s"  # the bound is 2 s (benchmarks/bench_status.py)
-    doc = json.loads(stacks(job.id, "--json", "--all-threads").stdout)
+
+    def as_json() -> dict[str, Any] | None:
+        doc: dict[str, Any] = json.loads(stacks(job.id, "--json", "--all-threads").stdout)
+        return doc if len(doc["groups"]) == 2 else None
+
+    doc = _until("a JSON picture with rank 2 out of the collective", as_json, 60)
     assert doc["schema_version"] == 1
     assert [(g["ranks"], g["odd"]) for g in doc["groups"]] == [([0, 1, 3], False), ([2], True)]
-    # every rank answered now (none shown from an old sample); the launcher's own time is
-    # about 10 ms here, the 2 s bound is the benchmark's (a loaded machine gets room here)
-    assert all(r["fresh"] for r in doc["ranks"]) and doc["after_s"] < 5.0
+    # every rank answered now (none shown from an old sample). The launcher's own time is
+    # about 10 ms here and its waits add up to 2 s at most (a rank's fresh stack, the flight
+    # recorder); the rest of the bound is a loaded machine's.
+    assert all(r["fresh"] for r in doc["ranks"]) and doc["after_s"] < 15.0, doc["after_s"]
     assert doc["groups"][0]["wait"]["op"] == "all_reduce"
     assert [n["answered"] for n in doc["nodes"]] == [True]
 
@@ -174,7 +194,15 @@ def test_the_straggler_is_named_within_30_s_and_status_json_has_its_schema(job: 
     assert launch is not None
     straggler = launch["straggler"]
     assert straggler["rank"] == 2 and straggler["waited_by"] == [0, 1, 3], straggler
-    assert straggler["waits_in"] == "all_reduce" and straggler["share"] >= 0.5
+    assert straggler["waits_in"] == "all_reduce", straggler
+    # The others lose their time to it: they wait in all_reduce in more of their own samples
+    # than rank 2 does in its, which is under half. Compared with each other, not with a fixed
+    # share: the rest of a step (the collective, Python) takes longer on a loaded machine while
+    # rank 2's sleep does not, so the others' share shrinks with the load (0.9 quiet, under
+    # 0.5 at load average 25). Not `share` either, the ticks in which every rank's stack came in
+    # time: a rank's sampling thread answers late on a loaded machine (0.46 at load 15).
+    assert straggler["own_wait_share"] < 0.5, straggler
+    assert straggler["others_wait_share"] > straggler["own_wait_share"], straggler
     assert "in <module> at straggler.py:" in straggler["doing"]
     assert named_after < STRAGGLER_WITHIN_S, f"named {named_after:.1f} s after the first step"
     assert doc["schema_version"] == 1 and isinstance(doc["host"], str)
@@ -289,8 +317,12 @@ def test_a_run_lease_is_listed_with_its_gpu(tmp_path: Path) -> None:
         run.communicate(timeout=20)
 
 
-def test_the_job_ends_and_the_ranks_printed_only_their_own_lines(job: Job) -> None:
-    """Last in the module: stops the shared job. Every query above ran while it worked."""
+def the_job_ends_and_the_ranks_printed_only_their_own_lines(job: Job) -> None:
+    """The shared job's end (the fixture's teardown; a failure is an error at the teardown of
+    the module's last test): it exits 0, its ranks printed exactly the script's lines and
+    nothing on stderr, the straggler note came once, and its control files are gone."""
+    _until("the straggler note", lambda: "note[RANK_STRAGGLER]: rank 2 " in job.err.read_text(),
+           STRAGGLER_WITHIN_S + 10)
     job.stop.touch()
     assert job.launcher.wait(60) == 0, job.err.read_text()
     out = job.out.read_text().splitlines()

@@ -69,6 +69,11 @@ PUMP_ROUNDS_S = 0.01  # reading rounds in one pump while output keeps coming (te
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
 STRAGGLER_PERSIST_S = 4.0  # a straggler named this long (3 samples or more) gets its one line
+# A signal to pass on to the ranks that the watcher does not hold (yet) is passed on after this:
+# a sender that signals a whole process tree (Slurm's proctrack/linuxproc) does it one process
+# after the other, and on a loaded machine may be scheduled out between two of them.
+NOTICE_SENDER_WAIT_S = 0.25
+NOTICE_POLL_S = 0.01  # the loop's wake-up while a signal waits for that decision
 _AGENT = "agent"  # the selector's mark of the node agent's pipe
 _ENDPOINT = "endpoint"  # ... and of the endpoint's requests for the loop
 
@@ -136,6 +141,8 @@ class Supervisor:
         self._interrupt: str | None = None
         self._stop_signal = signal.SIGTERM  # what a stop sends the ranks: the one received
         self._hurry = False  # a second stop signal (Ctrl-C twice): SIGKILL without the grace
+        # Signals to pass on to the ranks, with when they came (see _pass_on).
+        self._notices: list[tuple[signal.Signals, float]] = []
         self._stop_began: float | None = None
         self._killed = False
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
@@ -182,7 +189,7 @@ class Supervisor:
                 self._endpoint = self._serve(self)
             if self._endpoint is not None:
                 self._sel.register(self._endpoint.fileno(), selectors.EVENT_READ, _ENDPOINT)
-            self._ctx = ProcessContext()
+            self._ctx = ProcessContext(hold=forwarded_signals(self.config.signals_to_handle))
             self._start_ranks()
             self._loop()
         finally:
@@ -256,7 +263,9 @@ class Supervisor:
         next_adopt = time.monotonic() + ADOPT_CHECK_S
         next_memory = 0.0
         while True:
-            self._pump(self.poll_interval_s)
+            self._pump(NOTICE_POLL_S if self._notices else self.poll_interval_s)
+            if self._notices:
+                self._pass_on(time.monotonic())
             self._reap_exited()
             if self._endpoint is not None:
                 self._endpoint.run_pending()
@@ -645,9 +654,7 @@ class Supervisor:
                 self._hurry = True  # asked twice: the user will not wait out the grace
 
         def on_forward(signum: int, _frame: Any) -> None:
-            for r in self.ranks:
-                if r.exit is None:
-                    self._signal(r, signal.Signals(signum))
+            self._notices.append((signal.Signals(signum), time.monotonic()))
 
         def on_resize(_signum: int, _frame: Any) -> None:
             self._resized = True  # the loop passes the new size on (relay.resized)
@@ -660,6 +667,28 @@ class Supervisor:
         handlers += [(s, on_forward) for s in forwarded_signals(self.config.signals_to_handle)]
         for sig, handler in handlers:
             self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _pass_on(self, now: float) -> None:
+        """Pass each signal received of the kind that goes on to the ranks (SIGUSR1/2: Slurm's
+        preemption notice) on to them, once: not when its sender reached them too. Slurm
+        signals every process of a step under proctrack/linuxproc and cgroup, the ranks
+        included, and passing it on again ran their handler twice (issue 35); under
+        proctrack/pgid it reaches this process only. The process context's watcher, placed
+        as a rank is, tells which: it holds the signal pending when the sender reached it too.
+        The sender signals one process after the other, so a signal the watcher does not hold
+        yet is passed on only after :data:`NOTICE_SENDER_WAIT_S`."""
+        keep = []
+        for sig, since in self._notices:
+            reached = self._ctx.signal_reached_ranks(sig) if self._ctx is not None else None
+            if reached:
+                continue
+            if reached is None or now - since >= NOTICE_SENDER_WAIT_S:
+                for r in self.ranks:
+                    if r.exit is None:
+                        self._signal(r, sig)
+                continue
+            keep.append((sig, since))
+        self._notices = keep
 
     def _restore_signals(self) -> None:
         for sig, handler in self._old_handlers.items():
