@@ -105,6 +105,7 @@ def bar_lines(lines: list[str], rank: int) -> list[str]:
     return [line for line in lines if re.search(rf"rank {rank}: +\d+%\|", line)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize("nproc", [2, 8])
@@ -125,6 +126,7 @@ def test_each_rank_s_redrawn_bar_leaves_one_line(nproc: int, env: dict[str, str]
     assert b"\x1b[J" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize(("mode", "final"), [
@@ -144,6 +146,7 @@ def test_rich_and_keras_bars_stay_one_line_with_their_prefix(
         assert re.fullmatch(r"\[rank[0-9,-]+\]: " + final.format(r=r), mine[0]), mine[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_a_line_all_8_ranks_print_is_shown_once(env: dict[str, str], tmp_path: Path) -> None:
@@ -154,6 +157,7 @@ def test_a_line_all_8_ranks_print_is_shown_once(env: dict[str, str], tmp_path: P
     assert [line for line in lines if "epoch 1 done" in line] == ["[rank0-7]: epoch 1 done"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_a_traceback_among_identical_lines_is_whole_and_its_rank_s_own(
@@ -173,6 +177,7 @@ def test_a_traceback_among_identical_lines_is_whole_and_its_rank_s_own(
                for line in lines) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize("how", ["--plain-console", "GPUWARDEN_PLAIN_CONSOLE=1", "NO_COLOR=1",
@@ -212,6 +217,7 @@ def _by_rank(data: bytes, ranks: int) -> dict[int, bytes]:
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_piped_output_is_byte_for_byte_what_the_relay_wrote_before(
@@ -233,6 +239,7 @@ def test_piped_output_is_byte_for_byte_what_the_relay_wrote_before(
         b"[rank%d]: warning %d" % (r, r) for r in range(3)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_ranks_filter_shows_the_global_ranks_named(env: dict[str, str], tmp_path: Path) -> None:
@@ -263,6 +270,7 @@ def test_the_node_is_named_on_a_terminal_with_several_nodes_and_nowhere_else() -
 
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_log_files_keep_every_rank_s_own_lines_while_the_terminal_collapses(
