@@ -40,7 +40,9 @@ from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
-from gpuwarden.launch.ranks.relay import JobRelay, RankRelay, RankStdio
+from gpuwarden.launch.ranks.pipes import RankPipes
+from gpuwarden.launch.ranks.relay import JobRelay, RankRelay
+from gpuwarden.launch.ranks.stdio import RankStdio
 from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
 from gpuwarden.launch.watch.stall import (
@@ -62,6 +64,7 @@ REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
 STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
 START_PROGRESS_S = 2.0  # a start of many ranks says how far it got this often
+PUMP_ROUNDS_S = 0.01  # reading rounds in one pump while output keeps coming (terminal view)
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
@@ -124,10 +127,17 @@ class Supervisor:
                               duplicate_stdout_filters=self.config.duplicate_stdout_filters,
                               duplicate_stderr_filters=self.config.duplicate_stderr_filters,
                               role=self.config.role,
-                              prefix_template=self.config.log_line_prefix_template)
+                              prefix_template=self.config.log_line_prefix_template,
+                              ranks_filter=self.config.ranks_filter,
+                              node=plan.node_rank if plan.nnodes > 1 else None,
+                              layout=[(r.rank, r.local_rank) for r in plan.ranks],
+                              plain_console=self.config.plain_console,
+                              collapse_window_s=self.config.collapse_window_s)
+        self._resized = False  # SIGWINCH: the terminal's size changed
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
+        self._pipes = RankPipes(self._sel)  # the ranks' streams in it (paused while the view waits)
         self._interrupt: str | None = None
         self._stop_signal = signal.SIGTERM  # what a stop sends the ranks: the one received
         self._hurry = False  # a second stop signal (Ctrl-C twice): SIGKILL without the grace
@@ -203,14 +213,18 @@ class Supervisor:
         next_note = time.monotonic() + START_PROGRESS_S
         for started, spec in enumerate(self.plan.ranks):
             if self._interrupt is not None:
-                print(f"gpuwarden: {self._interrupt} while starting ranks: {started} of {total} "
-                      "started, stopping them", file=self.err, flush=True)
+                self._say(f"gpuwarden: {self._interrupt} while starting ranks: {started} of "
+                          f"{total} started, stopping them")
                 return
             self._start(spec)
             if time.monotonic() >= next_note and started + 1 < total:
                 next_note = time.monotonic() + START_PROGRESS_S
-                print(f"gpuwarden: started {started + 1} of {total} ranks", file=self.err,
-                      flush=True)
+                self._say(f"gpuwarden: started {started + 1} of {total} ranks")
+
+    def _say(self, line: str) -> None:
+        """A line of gpuwarden's own on stderr while ranks run (above a terminal's live region)."""
+        with self.relay.aside():
+            print(line, file=self.err, flush=True)
 
     def _start(self, spec: RankSpec) -> None:
         # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
@@ -294,9 +308,11 @@ class Supervisor:
                         self._signal(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment). Only the ranks' pipes are waited for: the
-        # signal wake-up, the endpoint and the node agent stay registered to the end.
+        # signal wake-up, the endpoint and the node agent stay registered to the end. Every
+        # pipe is read to its end now, none paused.
+        self._pipes.end()
         deadline = time.monotonic() + 0.3
-        while self._rank_pipes_open() and time.monotonic() < deadline:
+        while self._pipes.is_open() and time.monotonic() < deadline:
             if not self._pump(0.05):
                 break
 
@@ -369,7 +385,7 @@ class Supervisor:
         found = self._placement.check(
             lambda: {r.spec.rank: pids_of(r.proc.pid) for r in self.ranks if r.exit is None})
         if found is not None:
-            print(render_warning(found), file=self.err, flush=True)
+            self._say(render_warning(found))
 
     # ---- multi-node ------------------------------------------------------------------------
 
@@ -457,7 +473,7 @@ class Supervisor:
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
-                self._drain(r)
+                self._pipes.drain(r)
                 r.exit.stderr_tail = list(r.relay.stderr_tail)
                 if not r.exit.fatal_dump.strip():
                     # torch's @record (elastic's error handler) re-enables faulthandler on
@@ -478,6 +494,7 @@ class Supervisor:
             self._peer_files.late_abort()  # the ranks are gone: their peers files are final
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)  # the node agent's pipe too (it outlives the round)
+        self._pipes.clear()
         self._sel.close()
         for r in self.ranks:
             r.stdio.close()
@@ -491,48 +508,48 @@ class Supervisor:
     # ---- output ----------------------------------------------------------------------------
 
     def _pump(self, timeout: float) -> bool:
-        """Relay whatever the ranks wrote; True when there was something."""
+        """Relay whatever the ranks wrote; True when there was something. The relay's own
+        deadlines (a line held on a terminal for the same line of other ranks) cut the wait.
+
+        With the terminal's view each ready stream is read once per round, the streams in
+        turn (ranks/pipes.py), and rounds follow one another here while output keeps coming,
+        for at most PUMP_ROUNDS_S: the loop's other work (reaping, sampling) is not done for
+        every few kilobytes; a signal ends the rounds at once."""
+        due = self.relay.next_due()
+        if due is not None:
+            timeout = max(0.0, min(timeout, due - time.monotonic()))
         got = False
-        for key, _ in self._sel.select(timeout):
-            if key.data is None:  # the signal wake-up socket
-                with contextlib.suppress(OSError):
-                    assert self._wake_r is not None
-                    self._wake_r.recv(4096)
-                continue
-            if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
-                assert self._endpoint is not None
-                self._endpoint.clear_wakeups()
-                continue
-            if key.data is _AGENT:
-                self._agent_events()
-                continue
-            rank, is_err = key.data
-            got = True
-            self._read_stream(rank, key.fd, is_err)
-        return got
-
-    def _rank_pipes_open(self) -> bool:
-        return any(isinstance(key.data, tuple) for key in self._sel.get_map().values())
-
-    def _drain(self, rank: _Rank) -> None:
-        registered = {k.fd for k in self._sel.get_map().values()}
-        for fd, is_err in rank.stdio.reads:
-            if fd in registered:
-                self._read_stream(rank, fd, is_err)
-
-    def _read_stream(self, rank: _Rank, fd: int, is_err: bool) -> None:
+        rounds_until = time.monotonic() + PUMP_ROUNDS_S if self.relay.view is not None else 0.0
         while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:  # EIO: the rank's end of its pseudo-terminal is closed
-                data = b""
-            if not data:
-                self._sel.unregister(fd)
-                rank.relay.finish(is_err)
-                return
-            rank.relay.feed(is_err, data)
+            ready = self._sel.select(timeout)
+            signalled = False
+            for key, _ in ready:
+                if key.data is None:  # the signal wake-up socket
+                    with contextlib.suppress(OSError):
+                        assert self._wake_r is not None
+                        self._wake_r.recv(4096)
+                    signalled = True
+                    continue
+                if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
+                    assert self._endpoint is not None
+                    self._endpoint.clear_wakeups()
+                    signalled = True
+                    continue
+                if key.data is _AGENT:
+                    self._agent_events()
+                    signalled = True
+                    continue
+                rank, is_err = key.data
+                got = True
+                self._pipes.read(rank, key.fd, is_err)
+            if self._resized:
+                self._resized = False
+                self.relay.resized()
+            self.relay.tick()
+            self._pipes.resume_ready()
+            if signalled or not ready or time.monotonic() >= rounds_until:
+                return got
+            timeout = 0.0
 
     # ---- stalls ----------------------------------------------------------------------------
 
@@ -588,7 +605,8 @@ class Supervisor:
         self._stall = stall
         if self.config.keep_waiting:
             if self.on_stall is not None:
-                self.on_stall(self._stall)
+                with self.relay.aside():
+                    self.on_stall(self._stall)
         else:
             self._begin_stop()
 
@@ -603,8 +621,7 @@ class Supervisor:
                 and self._straggler_since is not None \
                 and now - self._straggler_since >= STRAGGLER_PERSIST_S:
             self._straggler_said = True
-            print(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}", file=self.err,
-                  flush=True)
+            self._say(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}")
 
     def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
         """A fresh dump of each rank's script thread (its latest sample when none comes)."""
@@ -639,8 +656,13 @@ class Supervisor:
         def on_forward(signum: int, _frame: Any) -> None:
             self._notices.append((signal.Signals(signum), time.monotonic()))
 
+        def on_resize(_signum: int, _frame: Any) -> None:
+            self._resized = True  # the loop passes the new size on (relay.resized)
+
         # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
         handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]
+        if self.relay.stdout.isatty or self.relay.stderr.isatty:
+            handlers.append((signal.SIGWINCH, on_resize))
         handlers += [(s, on_stop) for s in stop_signals()]
         handlers += [(s, on_forward) for s in forwarded_signals(self.config.signals_to_handle)]
         for sig, handler in handlers:

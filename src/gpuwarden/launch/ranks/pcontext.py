@@ -261,7 +261,7 @@ class ProcessContext:
               stdin: int | None = subprocess.DEVNULL, stdout: int = subprocess.PIPE,
               stderr: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
         """Start one rank in a session of its own; ``stdin=None`` inherits the launcher's (as
-        torchrun's ranks do), ``stdout``/``stderr`` are descriptors (launch/relay.RankStdio)."""
+        torchrun's ranks do), ``stdout``/``stderr`` are descriptors (launch/ranks/stdio.RankStdio)."""
         proc = subprocess.Popen(
             list(argv), env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr,
             start_new_session=True, close_fds=True,
