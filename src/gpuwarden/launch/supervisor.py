@@ -11,6 +11,8 @@ It composes the parts that each own one thing, and returns a :class:`~.outcome.R
   reported by the node agent (``job_store.py``); also the ranks' own abort key in the workers'
   store (``peers.py``); imported only when the plan has several nodes;
 - what a rank left behind when it ended (``ranks/exit_records.py``);
+- the launcher's own signals (a stop, a notice passed on to the ranks once, a terminal's
+  resize): ``ranks/signals.py`` records them and wakes the loop, which acts on them;
 - an endpoint hosted by the loop (``serve``: the runner passes ``observer/control.py``'s), whose
   requests run between two polls; the supervisor knows it only as :class:`Endpoint`.
 
@@ -26,22 +28,21 @@ import linecache
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from gpuwarden.boundedio import read_json_object
-from gpuwarden.launch.config import forwarded_signals, stop_signals
+from gpuwarden.launch.config import forwarded_signals
 from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_echo
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
 from gpuwarden.launch.ranks.pipes import RankPipes
 from gpuwarden.launch.ranks.relay import JobRelay, RankRelay
+from gpuwarden.launch.ranks.signals import LauncherSignals
 from gpuwarden.launch.ranks.stdio import RankStdio
 from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
@@ -69,10 +70,6 @@ PUMP_ROUNDS_S = 0.01  # reading rounds in one pump while output keeps coming (te
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
 STRAGGLER_PERSIST_S = 4.0  # a straggler named this long (3 samples or more) gets its one line
-# A signal to pass on to the ranks that the watcher does not hold (yet) is passed on after this:
-# a sender that signals a whole process tree (Slurm's proctrack/linuxproc) does it one process
-# after the other, and on a loaded machine may be scheduled out between two of them.
-NOTICE_SENDER_WAIT_S = 0.25
 NOTICE_POLL_S = 0.01  # the loop's wake-up while a signal waits for that decision
 _AGENT = "agent"  # the selector's mark of the node agent's pipe
 _ENDPOINT = "endpoint"  # ... and of the endpoint's requests for the loop
@@ -133,16 +130,14 @@ class Supervisor:
                               layout=[(r.rank, r.local_rank) for r in plan.ranks],
                               plain_console=self.config.plain_console,
                               collapse_window_s=self.config.collapse_window_s)
-        self._resized = False  # SIGWINCH: the terminal's size changed
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
         self._pipes = RankPipes(self._sel)  # the ranks' streams in it (paused while the view waits)
-        self._interrupt: str | None = None
-        self._stop_signal = signal.SIGTERM  # what a stop sends the ranks: the one received
-        self._hurry = False  # a second stop signal (Ctrl-C twice): SIGKILL without the grace
-        # Signals to pass on to the ranks, with when they came (see _pass_on).
-        self._notices: list[tuple[signal.Signals, float]] = []
+        # What the launcher's signals asked (a stop, a notice to pass on, a resize).
+        self._signals = LauncherSignals(
+            self._sel, forwarded_signals(self.config.signals_to_handle),
+            watch_resize=self.relay.stdout.isatty or self.relay.stderr.isatty)
         self._stop_began: float | None = None
         self._killed = False
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
@@ -152,10 +147,6 @@ class Supervisor:
         # Enough samples to cover the stall timeout with a margin (the stall clock starts at
         # the first sample that shows the unchanged stack).
         self._keep_samples = int(self.config.stall_timeout_s / self.sample_interval_s) + 4
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
-        self._old_handlers: dict[int, Any] = {}
-        self._old_wakeup_fd: int | None = None
         self.on_stall: Any = None  # callback(Stall) for --keep-waiting reports
         self._peer_files: PeerFiles | None = None
         if plan.nnodes > 1:
@@ -181,7 +172,7 @@ class Supervisor:
 
     def run(self) -> RunOutcome:
         self._started = time.monotonic()
-        self._install_signals()
+        self._signals.install()
         if self.job is not None:
             self._sel.register(self.job.agent.fileno(), selectors.EVENT_READ, _AGENT)
         try:
@@ -194,7 +185,7 @@ class Supervisor:
             self._loop()
         finally:
             self._final_cleanup()
-            self._restore_signals()
+            self._signals.restore()
         return self.outcome(time.monotonic())
 
     def outcome(self, now: float) -> RunOutcome:
@@ -203,7 +194,7 @@ class Supervisor:
         exits = {r.spec.rank: r.exit for r in self.ranks if r.exit is not None}
         return RunOutcome(self.plan, self._started, now, exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
-                          self._interrupt, self.peers, self._stopped_for, self._job_failure,
+                          self._signals.interrupt, self.peers, self._stopped_for, self._job_failure,
                           self._own_record, self._memory_stop)
 
     def _start_ranks(self) -> None:
@@ -212,8 +203,8 @@ class Supervisor:
         total = len(self.plan.ranks)
         next_note = time.monotonic() + START_PROGRESS_S
         for started, spec in enumerate(self.plan.ranks):
-            if self._interrupt is not None:
-                self._say(f"gpuwarden: {self._interrupt} while starting ranks: {started} of "
+            if self._signals.interrupt is not None:
+                self._say(f"gpuwarden: {self._signals.interrupt} while starting ranks: {started} of "
                           f"{total} started, stopping them")
                 return
             self._start(spec)
@@ -263,9 +254,9 @@ class Supervisor:
         next_adopt = time.monotonic() + ADOPT_CHECK_S
         next_memory = 0.0
         while True:
-            self._pump(NOTICE_POLL_S if self._notices else self.poll_interval_s)
-            if self._notices:
-                self._pass_on(time.monotonic())
+            self._pump(NOTICE_POLL_S if self._signals.notices else self.poll_interval_s)
+            if self._signals.notices:
+                self._signals.pass_on(time.monotonic(), self._ctx, self._signal_live_ranks)
             self._reap_exited()
             if self._endpoint is not None:
                 self._endpoint.run_pending()
@@ -290,7 +281,7 @@ class Supervisor:
                 if self._memory is not None and now >= next_memory and not failed:
                     next_memory = now + self._memory.interval_s
                     self._check_memory()
-                if self._interrupt is not None or failed or self._stopped_for == "memory":
+                if self._signals.interrupt is not None or failed or self._stopped_for == "memory":
                     self._begin_stop()
                 elif now >= next_sample:
                     next_sample = now + self.sample_interval_s
@@ -302,7 +293,7 @@ class Supervisor:
                         self._check_straggler(now)
                     self._check_placement()
             else:
-                if not self._killed and (self._hurry or now - self._stop_began >= self.config.grace_s):
+                if not self._killed and (self._signals.hurry or now - self._stop_began >= self.config.grace_s):
                     self._killed = True
                     for r in live:
                         self._signal(r, signal.SIGKILL)
@@ -317,12 +308,12 @@ class Supervisor:
                 break
 
     def _begin_stop(self) -> None:
-        if self._interrupt is None and self._may_be_an_echo():
+        if self._signals.interrupt is None and self._may_be_an_echo():
             self._settle()
         self._stop_began = time.monotonic()
         # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
-        sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
+        sig = self._signals.stop_signal if self._signals.interrupt is not None else signal.SIGTERM
         for r in self.ranks:
             if r.exit is None:
                 r.tail_at_stop = list(r.relay.stderr_tail)
@@ -335,6 +326,11 @@ class Supervisor:
         still the rank's (never a reaped rank's pgid, which may be another process's now)."""
         if self._ctx is not None:
             self._ctx.signal_rank(r.proc, sig)
+
+    def _signal_live_ranks(self, sig: signal.Signals) -> None:
+        for r in self.ranks:
+            if r.exit is None:
+                self._signal(r, sig)
 
     def _may_be_an_echo(self) -> bool:
         """Whether the stop could be for an echo: a failure seen whose own words say a peer went
@@ -414,7 +410,7 @@ class Supervisor:
             return
         failed = any(r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher
                      for r in self.ranks)
-        if not (failed or self._failing or self._stall is not None or self._interrupt):
+        if not (failed or self._failing or self._stall is not None or self._signals.interrupt):
             return
         self._own_record = self._local_record()
         if not self._own_record.get("echo"):
@@ -449,7 +445,7 @@ class Supervisor:
                     r.exit.returncode if r.exit is not None else None,
                     list(r.relay.stderr_tail), read_fatal_dump(r.spec.files.fatal),
                     r.exit.ended_at if r.exit is not None else time.monotonic()))
-        return job_store.local_record(self.plan.node_rank, failed, interrupt=self._interrupt,
+        return job_store.local_record(self.plan.node_rank, failed, interrupt=self._signals.interrupt,
                                       stall=self._stall,
                                       stall_timeout_s=self.config.stall_timeout_s)
 
@@ -525,9 +521,7 @@ class Supervisor:
             signalled = False
             for key, _ in ready:
                 if key.data is None:  # the signal wake-up socket
-                    with contextlib.suppress(OSError):
-                        assert self._wake_r is not None
-                        self._wake_r.recv(4096)
+                    self._signals.clear_wakeup()
                     signalled = True
                     continue
                 if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
@@ -542,8 +536,7 @@ class Supervisor:
                 rank, is_err = key.data
                 got = True
                 self._pipes.read(rank, key.fd, is_err)
-            if self._resized:
-                self._resized = False
+            if self._signals.take_resize():
                 self.relay.resized()
             self.relay.tick()
             self._pipes.resume_ready()
@@ -634,70 +627,6 @@ class Supervisor:
             if frames:
                 out[r.spec.rank] = frames
         return out
-
-    # ---- signals ---------------------------------------------------------------------------
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers only work there; the loop still polls every interval
-        self._wake_r, self._wake_w = socket.socketpair()
-        for s in (self._wake_r, self._wake_w):
-            s.setblocking(False)
-        self._sel.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
-        self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno())
-
-        def on_stop(signum: int, _frame: Any) -> None:
-            if self._interrupt is None:
-                self._interrupt = signal.Signals(signum).name
-                self._stop_signal = signal.Signals(signum)
-            else:
-                self._hurry = True  # asked twice: the user will not wait out the grace
-
-        def on_forward(signum: int, _frame: Any) -> None:
-            self._notices.append((signal.Signals(signum), time.monotonic()))
-
-        def on_resize(_signum: int, _frame: Any) -> None:
-            self._resized = True  # the loop passes the new size on (relay.resized)
-
-        # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
-        handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]
-        if self.relay.stdout.isatty or self.relay.stderr.isatty:
-            handlers.append((signal.SIGWINCH, on_resize))
-        handlers += [(s, on_stop) for s in stop_signals()]
-        handlers += [(s, on_forward) for s in forwarded_signals(self.config.signals_to_handle)]
-        for sig, handler in handlers:
-            self._old_handlers[sig] = signal.signal(sig, handler)
-
-    def _pass_on(self, now: float) -> None:
-        """Pass each signal received of the kind that goes on to the ranks (SIGUSR1/2: Slurm's
-        preemption notice) on to them, once: not when its sender reached them too. Slurm
-        signals every process of a step under proctrack/linuxproc and cgroup, the ranks
-        included, and passing it on again ran their handler twice (issue 35); under
-        proctrack/pgid it reaches this process only. The process context's watcher, placed
-        as a rank is, tells which: it holds the signal pending when the sender reached it too.
-        The sender signals one process after the other, so a signal the watcher does not hold
-        yet is passed on only after :data:`NOTICE_SENDER_WAIT_S`."""
-        keep = []
-        for sig, since in self._notices:
-            reached = self._ctx.signal_reached_ranks(sig) if self._ctx is not None else None
-            if reached:
-                continue
-            if reached is None or now - since >= NOTICE_SENDER_WAIT_S:
-                for r in self.ranks:
-                    if r.exit is None:
-                        self._signal(r, sig)
-                continue
-            keep.append((sig, since))
-        self._notices = keep
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        if self._wake_w is not None:
-            signal.set_wakeup_fd(self._old_wakeup_fd if self._old_wakeup_fd is not None else -1)
-            self._wake_w.close()
-            assert self._wake_r is not None
-            self._wake_r.close()
 
 
 def _source_line(path: str, lineno: int) -> str:
