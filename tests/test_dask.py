@@ -36,7 +36,10 @@ from gpuwarden.lease import acquire, list_leases  # noqa: E402
 from gpuwarden.select import Constraints  # noqa: E402
 from tests.conftest import SCENARIOS, wait_until_gone  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dask-cluster")]
+# A hang guard, far above a loaded machine's times (each test may start a scheduler and
+# workers; the 120 s default ran out at load average 30-50).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dask-cluster"),
+              pytest.mark.timeout(300)]
 
 DASK = str(Path(sys.executable).parent / "dask")
 REPO = Path(__file__).resolve().parents[1]

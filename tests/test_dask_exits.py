@@ -33,7 +33,10 @@ from gpuwarden.lease import list_leases  # noqa: E402
 from tests.conftest import SCENARIOS, wait_until_gone  # noqa: E402
 from tests.test_dask import dask_env, start_scheduler, stop_process  # noqa: E402
 
-pytestmark = [pytest.mark.slow]
+# Hang guards, far above a loaded machine's times: each test starts a scheduler and workers
+# (Dask's start alone took over a minute at load average 30-50, and the 120 s default ran
+# out in a test that waited well within its own bounds).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 RELEASE_BOUND_S = 5.0
 
@@ -220,7 +223,7 @@ def _loss_round(i: int, upstream: tuple[str, int], client: Client, leases: Path,
         _stop(proc)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)  # 104-115 s at load average 18-25
 def test_the_schedulers_loss_after_a_worker_death_releases_the_gpus_within_5_s_ten_times(
         tmp_path: Path) -> None:
     """Ten rounds, two at a time (one per GPU of the simulated host, each its own command and
