@@ -1,7 +1,8 @@
 """GPUPool and the "gpuwarden" joblib backend vs joblib's default loky backend, side by side.
 
-Measured in one run, same number of workers for everyone:
-  - per-task overhead: wall time / number of tiny tasks, warm workers (best of --repeat);
+Measured in one run, same number of workers for everyone; every row is the median of
+--repeat (5) measurements, and a summary lists each case's gpuwarden / loky ratio:
+  - per-task overhead: wall time / number of tiny tasks, warm workers;
   - first-result latency: from creating the pool (cold) to the first result;
   - a tiny torch computation per task (a 64x64 matmul), warm workers, both preloading torch
     (per-task time and the threads each worker runs with);
@@ -10,7 +11,12 @@ Measured in one run, same number of workers for everyone:
   - a large array (--array-mb, 200 MB) given to each of 8 tasks, warm workers: wall time
     and peak memory of the whole process tree (PSS, sampled every 20 ms: shared pages such
     as a memory map count once; RSS summed over the processes for comparison);
-  - cold start with torch: pool creation to the first result of a task that uses torch.
+  - cold start with torch: pool creation to the first result of a task that uses torch;
+  - a suite-like sequence, what a test-suite such as scikit-learn's does (issue 39): 16
+    short Parallel calls, mostly one n_jobs and a few more, the caller's own work between
+    them, an idle gap past gpuwarden's 10 s idle timeout in the middle (--suite-gap-s; not
+    counted), tasks from a library that costs --suite-import-ms to import in each new worker;
+    from cold, backends alternating (--only suite runs only this case).
 
 With --cuda (a real GPU only; exit 77 without one), instead: the same work with CUDA in the
 workers of one GPU, GPUPool vs loky's executor, both with --n-jobs workers on GPU 0:
@@ -22,13 +28,14 @@ workers of one GPU, GPUPool vs loky's executor, both with --n-jobs workers on GP
 Without a GPU the pool runs on a simulated 2-GPU host (tests/scenarios/two_gpu.json), so
 its workers are pinned exactly as on a real one. Usage: python benchmarks/bench_pool.py
 """
-# verify-gpu: --cuda --n-jobs 2 --tasks 200 --repeat 3
+# verify-gpu: --cuda --n-jobs 2 --tasks 200 --repeat 5
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -75,7 +82,7 @@ def cuda_section(args: argparse.Namespace) -> int:
     from gpuwarden.pool import GPUPool
 
     n, tasks = args.n_jobs, args.tasks
-    print(f"CUDA in {n} workers on GPU 0, {tasks} tasks, best of {args.repeat}")
+    print(f"CUDA in {n} workers on GPU 0, {tasks} tasks, median of {args.repeat}")
     rows: dict[str, dict[str, float]] = {"loky": {}, "GPUPool": {}}
 
     def measure(name: str, submit: Callable[..., Any]) -> None:
@@ -83,12 +90,19 @@ def cuda_section(args: argparse.Namespace) -> int:
         for f in [submit(cuda_matmul, i) for i in range(n)]:
             f.result()
         rows[name]["cold"] = time.perf_counter() - t0
-        rows[name]["matmul"] = best(
+        rows[name]["matmul"] = median(
             lambda: [f.result() for f in [submit(cuda_matmul, i) for i in range(tasks)]],
             args.repeat) / tasks
-        rows[name]["tensor"] = best(
+        rows[name]["tensor"] = median(
             lambda: [f.result() for f in [submit(cuda_tensor, i) for i in range(tasks // 4)]],
             args.repeat) / (tasks // 4)
+
+    # torch is imported here before either is measured: the first tensor result unpickled in
+    # this process imports it (1-2 s, more on a loaded box), and whichever side came first
+    # was charged for it. (A CPU dry run of this section with --repeat 1 put it on GPUPool,
+    # measured first: 41-123 ms per tensor against loky's 7.5 ms; with torch imported first,
+    # 3.3 ms against 19 ms.) Importing torch does not initialize CUDA.
+    import torch
 
     # GPUPool first: loky's CUDA results initialize CUDA in this process, which must not
     # colour the other measurement.
@@ -98,8 +112,6 @@ def cuda_section(args: argparse.Namespace) -> int:
                  wait="60s") as pool:
         measure("GPUPool", pool.submit)
         device = pool.submit(cuda_tensor, 1).result().device.type
-    import torch
-
     pool_parent_cuda = torch.cuda.is_initialized()
     loky = get_reusable_executor(max_workers=n, reuse=False)
     measure("loky", loky.submit)
@@ -191,22 +203,70 @@ def large_array_run(run: Callable[[], list[float]]) -> tuple[float, TreeMemory]:
     return took, memory
 
 
-def best(fn: Any, repeat: int) -> float:
+def median(fn: Any, repeat: int) -> float:
+    """The median wall time of ``repeat`` calls of ``fn`` (on a shared, loaded box the best of
+    a few flatters whichever side had a quiet moment; the median of 5 is what is compared)."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
+
+
+SUITE_LIB = """\
+# Written by benchmarks/bench_pool.py: a library whose import costs what --suite-import-ms says
+# (CPU time, like scikit-learn's 1-3 s), imported in the caller and in every worker that runs
+# one of its functions.
+import time
+
+_end = time.process_time() + {import_s}
+while time.process_time() < _end:
+    pass
+
+
+def fit(x):
+    total = 0
+    for i in range(20000):
+        total += i * x
+    return total
+"""
+
+
+def suite_calls(n: int) -> list[int]:
+    """n_jobs of the suite-like sequence's Parallel calls. In scikit-learn's tests (traced for
+    issue 39) most calls of one module ask for the same n_jobs, a few for more."""
+    return [n] * 6 + [2 * n] + [n] * 5 + [n + 1] + [n] * 3
+
+
+def suite_round(backend: str, calls: list[int], gap_s: float, extra: dict[str, Any]) -> float:
+    """One pass of the suite-like sequence from cold: its wall time, less the idle gap."""
+    import _bench_suite_lib as lib
+    from joblib import Parallel, delayed
+
+    t0 = time.perf_counter()
+    for i, k in enumerate(calls):
+        Parallel(backend=backend, n_jobs=k, **extra)(delayed(lib.fit)(x) for x in range(8))
+        lib.fit(3)  # the test's own work between its Parallel calls
+        if i == len(calls) // 2 and gap_s:
+            time.sleep(gap_s)  # a long test without Parallel: past gpuwarden's idle timeout
+    return time.perf_counter() - t0 - gap_s
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-jobs", type=int, default=2)
     parser.add_argument("--tasks", type=int, default=2000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="measurements per row; each row shows their median")
     parser.add_argument("--array-mb", type=int, default=200,
                         help="size of the array given to each of 8 tasks (0: skip)")
+    parser.add_argument("--suite-gap-s", type=float, default=11.0,
+                        help="the idle gap in the suite-like sequence (0: none)")
+    parser.add_argument("--suite-import-ms", type=float, default=500.0,
+                        help="CPU time the suite-like sequence's library costs to import")
+    parser.add_argument("--only", choices=("suite",), default=None,
+                        help="run only this case")
     parser.add_argument("--cuda", action="store_true",
                         help="only the CUDA comparison on the real GPU 0 (exit 77 without one)")
     args = parser.parse_args()
@@ -227,167 +287,231 @@ def main() -> int:
     from gpuwarden.pool import GPUPool
     from gpuwarden.pool.joblib_backend import shutdown_reusable_pool
 
-    n, tasks = args.n_jobs, args.tasks
+    n, tasks, repeat = args.n_jobs, args.tasks, args.repeat
     per_gpu = max(1, n // 2)
+    load = os.getloadavg()[0]
     print(f"joblib {joblib.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-          f"n_jobs={n}, {tasks} tiny tasks, host: {os.environ.get('GPUWARDEN_SIMULATE') or 'NVML'}")
-    rows: list[tuple[str, float, float]] = []
+          f"n_jobs={n}, host: {os.environ.get('GPUWARDEN_SIMULATE') or 'NVML'}, "
+          f"load average {load:.1f}; every row: the median of {repeat}")
+    ratios: dict[str, float] = {}  # each case's gpuwarden / loky, for the summary
 
-    # -- executor level: loky's reusable executor vs GPUPool, one submit per task ---------
-    t0 = time.perf_counter()
-    loky = get_reusable_executor(max_workers=n, reuse=False)
-    loky.submit(tiny, 0).result()
-    loky_first = time.perf_counter() - t0
-    loky_s = best(lambda: [f.result() for f in [loky.submit(tiny, i) for i in range(tasks)]],
-                  args.repeat)
-    loky.shutdown(wait=True)
-    rows.append(("loky executor, submit() per task", loky_s / tasks, loky_first))
-    baseline = {"executor": loky_s / tasks}  # each row's competitor, kept by name
+    def reset() -> None:
+        get_reusable_executor().shutdown(wait=True)
+        shutdown_reusable_pool()
 
-    for method in ("forkserver", "spawn"):
-        t0 = time.perf_counter()
-        pool = GPUPool(workers_per_gpu=per_gpu, max_workers=n, start_method=method, preload=())
-        pool.submit(tiny, 0).result()
-        first = time.perf_counter() - t0
-        s = best(lambda: [f.result() for f in [pool.submit(tiny, i) for i in range(tasks)]],  # noqa: B023
-                 args.repeat)
-        pool.shutdown()
-        rows.append((f"GPUPool {method}, submit() per task", s / tasks, first))
+    if args.only != "suite":
+        # -- executor level: loky's reusable executor vs GPUPool, one submit per task --------
+        # Each repetition starts a pool cold (first result) and then runs the tiny tasks.
+        def executor_row(make: Callable[[], Any]) -> tuple[float, float]:
+            firsts, per_task = [], []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                pool = make()
+                pool.submit(tiny, 0).result()
+                firsts.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for f in [pool.submit(tiny, i) for i in range(tasks)]:
+                    f.result()
+                per_task.append((time.perf_counter() - t0) / tasks)
+                pool.shutdown(wait=True)
+            return statistics.median(per_task), statistics.median(firsts)
 
-    # -- joblib level: Parallel with backend loky vs gpuwarden (auto-batching in both) ---
-    for backend, extra in (("loky", {}), ("gpuwarden", {"workers_per_gpu": per_gpu, "preload": ()})):
-        t0 = time.perf_counter()
-        with joblib.parallel_config(backend=backend, n_jobs=n, **extra):
-            next(iter(Parallel(return_as="generator")(delayed(tiny)(i) for i in range(1))))
-            first = time.perf_counter() - t0
-            s = best(lambda: Parallel()(delayed(tiny)(i) for i in range(tasks)), args.repeat)
-        rows.append((f"joblib Parallel, backend={backend}", s / tasks, first))
-        if backend == "loky":
-            baseline["joblib"] = s / tasks
-        if backend == "loky":
-            get_reusable_executor().shutdown(wait=True)
-        else:
-            shutdown_reusable_pool()
+        rows: list[tuple[str, float, float]] = []
+        loky_task, loky_first = executor_row(
+            lambda: get_reusable_executor(max_workers=n, reuse=False))
+        rows.append(("loky executor, submit() per task", loky_task, loky_first))
+        for method in ("forkserver", "spawn"):
+            rows.append((f"GPUPool {method}, submit() per task", *executor_row(
+                lambda: GPUPool(workers_per_gpu=per_gpu, max_workers=n,  # noqa: B023
+                                start_method=method, preload=()))))  # noqa: B023
 
-    print(f"\n{'':42} {'per task':>10} {'ratio':>7} {'first result (cold)':>20}")
-    for name, per_task, first in rows:
-        ratio = per_task / baseline["joblib" if name.startswith("joblib") else "executor"]
-        print(f"{name:42} {per_task * 1e6:8.0f}us {ratio:6.2f}x {first * 1e3:17.0f} ms")
+        # -- joblib level: Parallel with backend loky vs gpuwarden (auto-batching in both) ---
+        for backend, extra in (("loky", {}),
+                               ("gpuwarden", {"workers_per_gpu": per_gpu, "preload": ()})):
+            firsts, per_task = [], []
+            for _ in range(repeat):
+                reset()
+                t0 = time.perf_counter()
+                with joblib.parallel_config(backend=backend, n_jobs=n, **extra):
+                    next(iter(Parallel(return_as="generator")(delayed(tiny)(i) for i in range(1))))
+                    firsts.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    Parallel()(delayed(tiny)(i) for i in range(tasks))
+                    per_task.append((time.perf_counter() - t0) / tasks)
+            rows.append((f"joblib Parallel, backend={backend}", statistics.median(per_task),
+                         statistics.median(firsts)))
+        reset()
 
-    # -- a tiny torch computation per task, warm workers preloading torch ------------------
-    import torch  # noqa: F401 - the gpuwarden backend then preloads it in its fork server
+        print(f"\n{tasks} tiny tasks (x + 1), n_jobs={n}:")
+        print(f"{'':42} {'per task':>10} {'ratio':>7} {'first result (cold)':>20} {'ratio':>7}")
+        for name, per_task_s, first in rows:
+            base = rows[3] if name.startswith("joblib") else rows[0]
+            print(f"{name:42} {per_task_s * 1e6:8.0f}us {per_task_s / base[1]:6.2f}x "
+                  f"{first * 1e3:17.0f} ms {first / base[2]:6.2f}x")
+        for name, per_task_s, first in rows[1:3] + rows[4:]:
+            base = rows[3] if name.startswith("joblib") else rows[0]
+            ratios[f"{name}: per task"] = per_task_s / base[1]
+            ratios[f"{name}: first result"] = first / base[2]
 
-    torch_tasks = max(200, tasks // 10)
-    print(f"\na tiny torch computation per task (64x64 matmul), {torch_tasks} tasks, n_jobs={n}, "
-          f"warm workers, best of {args.repeat}:")
-    torch_rows: dict[str, float] = {}
-    for backend in ("loky", "gpuwarden"):
-        with joblib.parallel_config(backend=backend, n_jobs=n):
-            threads = sorted(set(Parallel()(delayed(torch_threads)(i) for i in range(2 * n))))
-            s = best(lambda: Parallel()(delayed(torch_small)(i) for i in range(torch_tasks)),
-                     args.repeat)
-        torch_rows[backend] = s / torch_tasks
-        print(f"  {'joblib Parallel, backend=' + backend:40} {s / torch_tasks * 1e6:8.0f} us "
-              f"per task (torch threads per worker: {threads})")
-    print(f"  gpuwarden / loky: {torch_rows['gpuwarden'] / torch_rows['loky']:.2f}x")
+        # -- a tiny torch computation per task, warm workers preloading torch ----------------
+        import torch  # noqa: F401 - the gpuwarden backend then preloads it in its fork server
 
-    # -- Parallel calls that alternate n_jobs: a warm pool resizes -------------------------
-    calls = [n, 2 * n] * 3
-    print(f"\n{len(calls)} Parallel calls alternating n_jobs {n}/{2 * n} (100 tiny tasks each, "
-          "the first call cold):")
-    alternating: dict[str, float] = {}
-    for backend in ("loky", "gpuwarden"):
-        extra = {"preload": ()} if backend == "gpuwarden" else {}
-        if backend == "loky":
-            get_reusable_executor().shutdown(wait=True)
-        else:
-            shutdown_reusable_pool()
-        t0 = time.perf_counter()
-        for k in calls:
-            Parallel(backend=backend, n_jobs=k, **extra)(delayed(tiny)(i) for i in range(100))
-        alternating[backend] = time.perf_counter() - t0
-        print(f"  {'joblib Parallel, backend=' + backend:40} {alternating[backend] * 1e3:8.0f} ms")
-    print(f"  gpuwarden / loky: {alternating['gpuwarden'] / alternating['loky']:.2f}x")
-    get_reusable_executor().shutdown(wait=True)
-    shutdown_reusable_pool()
+        torch_tasks = max(200, tasks // 10)
+        print(f"\na tiny torch computation per task (64x64 matmul), {torch_tasks} tasks, "
+              f"n_jobs={n}, warm workers:")
+        torch_rows: dict[str, float] = {}
+        for backend in ("loky", "gpuwarden"):
+            with joblib.parallel_config(backend=backend, n_jobs=n):
+                threads = sorted(set(Parallel()(delayed(torch_threads)(i) for i in range(2 * n))))
+                s = median(lambda: Parallel()(delayed(torch_small)(i)  # noqa: B023
+                                              for i in range(torch_tasks)), repeat)
+            torch_rows[backend] = s / torch_tasks
+            print(f"  {'joblib Parallel, backend=' + backend:40} {s / torch_tasks * 1e6:8.0f} us "
+                  f"per task (torch threads per worker: {threads})")
+        ratios["tiny torch task"] = torch_rows["gpuwarden"] / torch_rows["loky"]
+        print(f"  gpuwarden / loky: {ratios['tiny torch task']:.2f}x")
+        reset()
 
-    # -- a worker death: from the killing task to the next result --------------------------
-    # One worker, so that the next task waits for the replacement (or, for loky, for the
-    # executor it builds again: a death breaks a loky executor).
-    print(f"\na worker death (os._exit in a task) until the replacement has run the next task, "
-          f"1 worker without torch, best of {args.repeat}:")
+        # -- Parallel calls that alternate n_jobs: a warm pool resizes ----------------------
+        calls = [n, 2 * n] * 3
+        print(f"\n{len(calls)} Parallel calls alternating n_jobs {n}/{2 * n} (100 tiny tasks each, "
+              "the first call cold):")
+        alternating: dict[str, list[float]] = {"loky": [], "gpuwarden": []}
+        for _ in range(repeat):
+            for backend in ("loky", "gpuwarden"):
+                extra = {"preload": ()} if backend == "gpuwarden" else {}
+                reset()
+                t0 = time.perf_counter()
+                for k in calls:
+                    Parallel(backend=backend, n_jobs=k, **extra)(delayed(tiny)(i) for i in range(100))
+                alternating[backend].append(time.perf_counter() - t0)
+        alt = {b: statistics.median(v) for b, v in alternating.items()}
+        for backend, took in alt.items():
+            print(f"  {'joblib Parallel, backend=' + backend:40} {took * 1e3:8.0f} ms")
+        ratios["alternating n_jobs"] = alt["gpuwarden"] / alt["loky"]
+        print(f"  gpuwarden / loky: {ratios['alternating n_jobs']:.2f}x")
+        reset()
 
-    def loky_death() -> None:
-        get_reusable_executor(max_workers=1).submit(die, 0).exception()
+        # -- a worker death: from the killing task to the next result -------------------------
+        # One worker, so that the next task waits for the replacement (or, for loky, for the
+        # executor it builds again: a death breaks a loky executor).
+        print("\na worker death (os._exit in a task) until the replacement has run the next "
+              "task, 1 worker without torch:")
+
+        def loky_death() -> None:
+            get_reusable_executor(max_workers=1).submit(die, 0).exception()
+            get_reusable_executor(max_workers=1).submit(tiny, 0).result()
+
         get_reusable_executor(max_workers=1).submit(tiny, 0).result()
+        deaths = {"loky": median(loky_death, repeat)}
+        get_reusable_executor().shutdown(wait=True)
+        for method in ("forkserver", "spawn"):
+            with GPUPool(gpus=1, max_workers=1, start_method=method, preload=()) as pool:
+                pool.submit(tiny, 0).result()
+                deaths[method] = median(lambda: (pool.submit(die, 0).exception(),  # noqa: B023
+                                                 pool.submit(tiny, 0).result()), repeat)  # noqa: B023
+        for name, took in deaths.items():
+            label = "loky executor" if name == "loky" else f"GPUPool {name}"
+            print(f"  {label:40} {took * 1e3:8.1f} ms ({took / deaths['loky']:.2f}x loky)")
+            if name != "loky":
+                ratios[f"worker death, GPUPool {name}"] = took / deaths["loky"]
 
-    get_reusable_executor(max_workers=1).submit(tiny, 0).result()
-    deaths = {"loky": best(loky_death, args.repeat)}
-    get_reusable_executor().shutdown(wait=True)
-    for method in ("forkserver", "spawn"):
-        with GPUPool(gpus=1, max_workers=1, start_method=method, preload=()) as pool:
-            pool.submit(tiny, 0).result()
-            deaths[method] = best(lambda: (pool.submit(die, 0).exception(),  # noqa: B023
-                                           pool.submit(tiny, 0).result()), args.repeat)
-    for name, took in deaths.items():
-        label = "loky executor" if name == "loky" else f"GPUPool {name}"
-        print(f"  {label:40} {took * 1e3:8.1f} ms ({took / deaths['loky']:.2f}x loky)")
+        # -- a large array to 8 tasks: memory maps (both backends), warm workers ---------------
+        if args.array_mb:
+            import numpy as np
 
-    # -- a large array to 8 tasks: memory maps (both backends), warm workers -----------------
-    if args.array_mb:
-        import numpy as np
+            array = np.random.default_rng(0).random(args.array_mb * 2**20 // 8)
+            expected = float(array.sum())
+            print(f"\na {array.nbytes / 2**20:.0f} MB float64 array to each of 8 tasks "
+                  f"(a.sum()), n_jobs={n}, warm workers; peak memory of the process tree:")
+            print(f"  {'':40} {'time':>8} {'peak PSS':>10} {'peak RSS sum':>13}")
+            measured: dict[str, tuple[float, float]] = {}
+            for backend, extra in (("loky", {}), ("gpuwarden", {"preload": ()})):
+                with joblib.parallel_config(backend=backend, n_jobs=n, **extra):
+                    Parallel()(delayed(tiny)(i) for i in range(n))  # warm the workers
+                    runs = []
+                    for _ in range(repeat):
+                        took, memory = large_array_run(
+                            lambda: Parallel()(delayed(array_sum)(array) for _ in range(8)))
+                        runs.append((took, memory.peak_pss, memory.peak_rss))
+                    took, pss, rss = (statistics.median(r[i] for r in runs) for i in range(3))
+                    assert Parallel()(delayed(array_sum)(array) for _ in range(1)) == [expected]
+                reset()
+                measured[backend] = (took, pss)
+                print(f"  {'joblib Parallel, backend=' + backend:40} {took * 1e3:6.0f} ms "
+                      f"{pss / 2**20:7.0f} MiB {rss / 2**20:10.0f} MiB")
+            (loky_t, loky_pss), (gw_t, gw_pss) = measured["loky"], measured["gpuwarden"]
+            ratios["large array: time"] = gw_t / loky_t
+            ratios["large array: peak PSS"] = gw_pss / loky_pss
+            print(f"  gpuwarden / loky: time {gw_t / loky_t:.2f}x, peak PSS {gw_pss / loky_pss:.2f}x")
+            del array
 
-        array = np.random.default_rng(0).random(args.array_mb * 2**20 // 8)
-        expected = float(array.sum())
-        print(f"\na {array.nbytes / 2**20:.0f} MB float64 array to each of 8 tasks "
-              f"(a.sum()), n_jobs={n}, warm workers, best of {args.repeat}; "
-              "peak memory of the process tree:")
-        print(f"  {'':40} {'time':>8} {'peak PSS':>10} {'peak RSS sum':>13}")
-        measured: dict[str, tuple[float, float]] = {}
-        for backend, extra in (("loky", {}), ("gpuwarden", {"preload": ()})):
-            with joblib.parallel_config(backend=backend, n_jobs=n, **extra):
-                Parallel()(delayed(tiny)(i) for i in range(n))  # warm the workers
-                runs = []
-                for _ in range(args.repeat):
-                    took, memory = large_array_run(
-                        lambda: Parallel()(delayed(array_sum)(array) for _ in range(8)))
-                    runs.append((took, memory.peak_pss, memory.peak_rss))
-                took, pss, rss = min(runs)
-                assert Parallel()(delayed(array_sum)(array) for _ in range(1)) == [expected]
-            if backend == "loky":
-                get_reusable_executor().shutdown(wait=True)
-            else:
-                shutdown_reusable_pool()
-            measured[backend] = (took, pss)
-            print(f"  {'joblib Parallel, backend=' + backend:40} {took * 1e3:6.0f} ms "
-                  f"{pss / 2**20:7.0f} MiB {rss / 2**20:10.0f} MiB")
-        (loky_t, loky_pss), (gw_t, gw_pss) = measured["loky"], measured["gpuwarden"]
-        print(f"  gpuwarden / loky: time {gw_t / loky_t:.2f}x, peak PSS {gw_pss / loky_pss:.2f}x")
-        del array
+        # -- cold start of workers that use torch ---------------------------------------------
+        print("\ncold start to the first result of a task that imports torch:")
 
-    # -- cold start of workers that use torch -----------------------------------------------
-    print("\ncold start to the first result of a task that imports torch:")
-    t0 = time.perf_counter()
-    loky = get_reusable_executor(max_workers=n, reuse=False)
-    for f in [loky.submit(torch_task, i) for i in range(n)]:
-        f.result()
-    loky_torch = time.perf_counter() - t0
-    loky.shutdown(wait=True)
-    print(f"  {'loky executor':40} {loky_torch * 1e3:8.0f} ms (all {n} workers)")
-    for method in ("forkserver", "spawn"):
-        t0 = time.perf_counter()
-        with GPUPool(workers_per_gpu=per_gpu, max_workers=n, start_method=method,
-                     preload=("torch",)) as pool:
-            for f in [pool.submit(torch_task, i) for i in range(n)]:
+        def loky_torch_start() -> None:
+            loky = get_reusable_executor(max_workers=n, reuse=False)
+            for f in [loky.submit(torch_task, i) for i in range(n)]:
                 f.result()
-            took = time.perf_counter() - t0
-            # A replacement worker: what a crash costs before work resumes.
-            t1 = time.perf_counter()
-            pool.submit(os._exit, 1).exception()
-            pool.submit(torch_task, 0).result()
-            respawn = time.perf_counter() - t1
-        print(f"  {'GPUPool ' + method + ', preload torch':40} {took * 1e3:8.0f} ms "
-              f"({took / loky_torch:.2f}x loky); crash + replacement {respawn * 1e3:.0f} ms")
+            loky.shutdown(wait=True)
+
+        loky_torch = median(loky_torch_start, repeat)
+        print(f"  {'loky executor':40} {loky_torch * 1e3:8.0f} ms (all {n} workers)")
+        for method in ("forkserver", "spawn"):
+            starts, respawns = [], []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                with GPUPool(workers_per_gpu=per_gpu, max_workers=n, start_method=method,
+                             preload=("torch",)) as pool:
+                    for f in [pool.submit(torch_task, i) for i in range(n)]:
+                        f.result()
+                    starts.append(time.perf_counter() - t0)
+                    # A replacement worker: what a crash costs before work resumes.
+                    t1 = time.perf_counter()
+                    pool.submit(os._exit, 1).exception()
+                    pool.submit(torch_task, 0).result()
+                    respawns.append(time.perf_counter() - t1)
+            took = statistics.median(starts)
+            ratios[f"torch cold start, GPUPool {method}"] = took / loky_torch
+            print(f"  {'GPUPool ' + method + ', preload torch':40} {took * 1e3:8.0f} ms "
+                  f"({took / loky_torch:.2f}x loky); crash + replacement "
+                  f"{statistics.median(respawns) * 1e3:.0f} ms")
+
+    # -- a suite-like sequence: many short Parallel calls, work between, an idle gap --------
+    # What scikit-learn's test-suite does to a backend (issue 39): each test calls Parallel
+    # with its own n_jobs, between them the test's own work, and now and then a test without
+    # Parallel runs longer than gpuwarden's idle timeout (10 s). The tasks' library costs
+    # --suite-import-ms to import in every worker that has not imported it yet.
+    import tempfile
+
+    lib_dir = tempfile.mkdtemp(prefix="gpuwarden-bench-")
+    Path(lib_dir, "_bench_suite_lib.py").write_text(
+        SUITE_LIB.format(import_s=args.suite_import_ms / 1e3))
+    sys.path.insert(0, lib_dir)
+    calls = suite_calls(n)
+    print(f"\na suite-like sequence from cold: {len(calls)} Parallel calls of 8 tasks, n_jobs "
+          f"{'/'.join(str(k) for k in sorted(set(calls)))}, the caller's own work between "
+          f"calls, an idle gap of {args.suite_gap_s:g} s in the middle (not counted), a "
+          f"library costing {args.suite_import_ms:g} ms to import in each new worker; "
+          "backends alternate:")
+    suite: dict[str, list[float]] = {"loky": [], "gpuwarden": []}
+    for _ in range(repeat):
+        for backend in ("loky", "gpuwarden"):
+            reset()
+            extra = {"preload": ()} if backend == "gpuwarden" else {}
+            suite[backend].append(suite_round(backend, calls, args.suite_gap_s, extra))
+    reset()
+    med = {b: statistics.median(v) for b, v in suite.items()}
+    for backend, took in med.items():
+        each = " ".join(f"{t:.2f}" for t in suite[backend])
+        print(f"  {'joblib Parallel, backend=' + backend:40} {took:8.2f} s   (runs: {each})")
+    ratios["suite-like sequence"] = med["gpuwarden"] / med["loky"]
+    print(f"  gpuwarden / loky: {ratios['suite-like sequence']:.2f}x")
+
+    print(f"\nsummary, gpuwarden / loky (median of {repeat} each; load average "
+          f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end):")
+    for name, ratio in ratios.items():
+        print(f"  {name:52} {ratio:6.2f}x{'' if ratio <= 1.0 else '   > 1.0'}")
     return 0
 
 

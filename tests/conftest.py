@@ -1,4 +1,5 @@
-"""Shared test fixtures: the `gpu` marker, simulated hosts, and the no-leftover-process check.
+"""Shared test fixtures: the `gpu` marker, simulated hosts, the no-leftover-process check, and
+the real Slurm cluster (tests/_slurm.py).
 
 How the suite runs (scripts/test): in parallel with pytest-xdist (``-n``, ``--dist loadgroup``),
 in a random order (pytest-randomly; ``-p no:randomly`` for the file's order, ``-p randomly -p
@@ -37,6 +38,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -60,7 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Groups whose chain of tests is the longest (minutes): started before anything else, so the
 # rest of the suite runs beside them instead of after them.
-LONG_GROUPS = ("external-suites",)
+LONG_GROUPS = ("external-suites", "slurm", "slurm-pgid", "slurm-two-hosts")
 
 
 # trylast: after pytest-randomly's shuffle and pytest's own grouping by parametrized fixtures,
@@ -202,3 +204,54 @@ def real_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine's own GPUs: no simulated host, no inherited CUDA_VISIBLE_DEVICES."""
     monkeypatch.delenv("GPUWARDEN_SIMULATE", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+# -- a real Slurm cluster (tests/_slurm.py) ---------------------------------------------------
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Any]:
+    """Two slurmd nodes beside slurmctld on this machine, started once per session (the
+    first test that asks) and stopped at its end; skips with the reason where it cannot be had.
+    Under pytest-xdist a session is a worker: every test that uses it is in
+    ``xdist_group("slurm")``, so that one worker starts the daemons (tests/test_slurm.py)."""
+    from tests import _slurm
+
+    reason = _slurm.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = _slurm.start_cluster()
+    yield cluster
+    problems = _slurm.destroy_cluster(cluster)
+    assert not problems, problems
+
+
+@pytest.fixture
+def slurm(slurm_cluster: Any, no_leftover_processes: None) -> Iterator[Any]:
+    """The session's Slurm cluster, checked after the test: see :func:`slurm_checked`."""
+    yield from slurm_checked(slurm_cluster)
+
+
+def slurm_checked(cluster: Any) -> Iterator[Any]:
+    """Yield ``cluster``; afterwards cancel whatever still runs and fail the test when a
+    process is left in the cluster's namespaces (slurmstepd, a task, a rank whose parent died)
+    or a node is not idle: the next test gets a clean cluster either way."""
+    import signal
+
+    yield cluster
+    cluster.cancel_all()
+    left = cluster.wait_no_job_processes(30)
+    described = cluster.describe(left)
+    for pid in left:  # processes of this cluster's jobs, in its own namespaces
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        cluster.wait_idle(30)
+        not_idle = ""
+    except RuntimeError as exc:
+        not_idle = str(exc).splitlines()[0]
+        cluster.run(["scontrol", "update", f"NodeName={','.join(cluster.nodes)}",
+                     "State=RESUME"], timeout=30)
+    assert not left, f"processes left in the Slurm cluster: {described}"
+    assert not not_idle, not_idle

@@ -129,3 +129,15 @@ def dies_in_the_middle_of_its_result(size: int) -> bytes:
 
     threading.Thread(target=watch, daemon=True).start()
     return b"x" * size
+
+
+def sleep_then_raise(seconds: float) -> None:
+    """An initializer that fails after ``seconds`` (the pool breaks then, not at once)."""
+    time.sleep(seconds)
+    raise RuntimeError("initializer failed on purpose")
+
+
+def sleep_in_slot(slot: str, seconds: float) -> None:
+    """An initializer that takes ``seconds`` in worker ``slot`` (loading a model) only."""
+    if os.environ.get("GPUWARDEN_POOL_WORKER") == slot:
+        time.sleep(seconds)

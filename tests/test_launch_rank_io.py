@@ -227,6 +227,20 @@ def test_torchs_error_file_is_reported_as_torchrun_reports_it(tmp_path: Path,
             assert any("torch's error file:" in e for e in report["evidence"])
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_a_rank_that_raised_then_aborted_at_exit_failed_of_its_exception(
+        tmp_path: Path, cpu_env: dict[str, str]) -> None:
+    """A rank's uncaught exception, then SIGABRT while the interpreter goes down (torch's gloo
+    threads do that, now and then, when the process group was not destroyed): the exception is
+    the failure (RANK_FAILED, exit 1 as for any raise), not a native crash."""
+    done = subprocess.run([GPUWARDEN, "launch", "-n", "1", "--cpu", SCRIPT, "raise_abort"],
+                          env=cpu_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "error[RANK_FAILED]: rank 0 failed first: ValueError: rank 0 gives up" in done.stderr
+    assert "raised, then died as the interpreter exited (signal SIGABRT(-6)" in done.stderr
+    assert "RANK_NATIVE_CRASH" not in done.stderr and "abort()" not in done.stderr
+
+
 # ---- nothing a torchrun rank would not print -------------------------------------------------
 
 @pytest.mark.timeout(180)
@@ -246,7 +260,10 @@ def test_gpu_ranks_print_nothing_but_the_scripts_own_lines(tmp_path: Path,
     own = {"[rank0]: rank 0 starts", "[rank1]: rank 1 starts", "[rank0]: rank 0 all_reduce 2",
            "[rank1]: rank 1 all_reduce 2"}
     assert own <= set(ranks), done.stderr
-    traceback = [line for line in ranks if line not in own]
+    # Now and then torch's gloo threads abort rank 1 as its interpreter exits (the script does
+    # not destroy its process group): that line is torch's own, printed as under torchrun.
+    at_exit = "[rank1]: terminate called without an active exception"
+    traceback = [line for line in ranks if line not in own and line != at_exit]
     assert traceback[0] == "[rank1]: Traceback (most recent call last):", done.stderr
     assert traceback[-1] == "[rank1]: ValueError: rank 1 gives up", done.stderr
     assert all(line.startswith("[rank1]: ") and not line.startswith("[rank1]: [rank1]:")

@@ -534,6 +534,36 @@ def test_sigusr1_reaches_every_rank_and_the_job_goes_on(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_a_signal_sent_to_the_whole_process_tree_reaches_each_rank_once(tmp_path: Path) -> None:
+    """What Slurm's proctrack/linuxproc does with a preemption notice (`scancel -s USR1`,
+    `--signal=USR1@T`): every process of the launcher's tree gets it, one after the other,
+    the ranks included. The launcher passing it on again ran their handler twice (issue 35).
+    Standard signals arriving together merge, so one notice proves little: three are sent."""
+    import psutil
+
+    proc = _start(tmp_path, "-n", "2", str(SCRIPTS / "slurm_notice.py"), str(tmp_path))
+    _wait_ready(tmp_path, 2, proc)
+    notices = [tmp_path / f"notice.{r}" for r in range(2)]
+    try:
+        for k in range(1, 4):
+            tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+            for pid in tree:  # processes this test started, the launcher first as Slurm lists it
+                os.kill(pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 20
+            while (min(len(p.read_text().splitlines()) if p.exists() else 0 for p in notices) < k
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
+        time.sleep(0.5)  # a second delivery of the last one, if any, lands meanwhile
+    finally:
+        (tmp_path / "go").touch()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
+    assert [len(p.read_text().splitlines()) for p in notices] == [3, 3]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_ctrl_c_is_passed_on_and_a_second_one_skips_the_grace(tmp_path: Path) -> None:

@@ -308,19 +308,25 @@ def test_an_older_gpuwardens_live_lease_is_kept_off_and_ours_is_visible_to_it(sc
     one (a flock on its record, one lock file per slot) keeps this one off its GPU; a record
     of this one carries a flock and the fields the older version reads, so it keeps off ours."""
     scenario("two_idle")
-    old = {"schema": 1, "kind": "holder", "id": "old", "pid": 4242, "user": "alice",
-           "host": "x", "command": "python train.py", "label": "old job", "started_at": 0,
-           "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1, "slots": [0]}]}
-    path = lease_dir / "holder.host-4242-old.json"
-    path.write_text(json.dumps(old))
-    fd = os.open(path, os.O_RDONLY)
-    pid = fork_child(lambda: (fcntl.flock(fd, fcntl.LOCK_EX), time.sleep(30)))
+    path = lease_dir / "holder.host-old.json"
+
+    def older_holder() -> None:  # as that version: its own pid in the record, and a flock
+        old = {"schema": 1, "kind": "holder", "id": "old", "pid": os.getpid(),
+               "user": "alice", "host": "x", "command": "python train.py", "label": "old job",
+               "started_at": 0,
+               "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1, "slots": [0]}]}
+        path.write_text(json.dumps(old))
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        time.sleep(30)
+
+    pid = fork_child(older_holder)
     try:
-        _wait_for(lambda: not _flock_free(path))
+        _wait_for(lambda: path.exists() and not _flock_free(path))
         with lease(1) as grant:
             assert grant.visible_devices == "1"
             why = refusal_of(lambda: acquire(1))
-            assert "GPU0 leased by pid 4242 (" in why and "an older gpuwarden's lease" in why
+            assert f"GPU0 leased by pid {pid} (" in why and "an older gpuwarden's lease" in why
             [mine] = [p for p in lease_dir.glob("holder.*.json") if p != path]
             assert not _flock_free(mine)  # the older version sees it live
             data = json.loads(mine.read_text())
@@ -329,7 +335,43 @@ def test_an_older_gpuwardens_live_lease_is_kept_off_and_ours_is_visible_to_it(sc
     finally:
         os.kill(pid, signal.SIGKILL)
         wait_all([pid], timeout_s=10)
-        os.close(fd)
+
+
+def test_an_older_records_pid_is_believed_only_as_its_writers() -> None:
+    """A record in the older format names its pid itself: believed only for a live process of
+    the record file's owner that started before the file was born (the multi-user attack is
+    in test_lease_multiuser.py)."""
+    import psutil
+
+    from gpuwarden.lease import _proc
+    from gpuwarden.lease.scan import older_record_problem
+
+    me, uid = os.getpid(), os.getuid()
+    now = time.time_ns()
+    assert older_record_problem(me, uid, now) == ""
+    started = _proc.process_start_ns(me)
+    assert started is not None and abs(started / 1e9 - psutil.Process(me).create_time()) < 1
+    assert "started after the record was written" in older_record_problem(
+        me, uid, started - 5_000_000_000)
+    other = uid + 1 if uid != 0 else 65534
+    assert "not of the record's owner" in older_record_problem(me, other, now)
+    dead = fork_child(lambda: None)
+    wait_all([dead], timeout_s=10)
+    assert "not running" in older_record_problem(dead, uid, now)
+    assert "names no pid" in older_record_problem(-1, uid, now)
+
+
+def test_the_older_record_format_is_honoured_by_0_1_only() -> None:
+    """docs/leases.md, "Upgrading": records of the format before issue 25 are honoured by
+    0.1.x only. When the version reaches 0.2, this fails until that format's branch goes
+    (scan.older_record_problem and Record.legacy, the flock and the older fields written
+    beside each record, admin._is_locked's flock) with this test."""
+    import gpuwarden
+    from gpuwarden.lease import scan
+
+    version = tuple(int(x) for x in gpuwarden.__version__.split(".")[:2])
+    assert version < scan.OLDER_FORMAT_DROPPED_IN, (
+        f"gpuwarden {gpuwarden.__version__} still honours the older lease record format")
 
 
 def _flock_free(path: Path) -> bool:
@@ -531,16 +573,16 @@ def test_a_scan_by_another_thread_while_a_record_is_made_leaves_its_lock_held(
     thread of the same process was just making would drop that record's lock, and every other
     process would take the live request for a dead one (seen as a waiter skipped in line, about
     1 run in 20 on a loaded box). The scan here runs at the worst moment: locked, not yet known."""
-    from gpuwarden.lease import _locks, records
+    from gpuwarden.lease import _locks, records, scan
 
     directory = tmp_path / "leases"
     directory.mkdir()
     real_set_lock = _locks._set_lock
-    seen: list[records.ScanResult] = []
+    seen: list[scan.ScanResult] = []
 
     def lock_then_scan(fd: int, kind: int, start: int, length: int) -> bool:
         held = real_set_lock(fd, kind, start, length)
-        seen.append(records.scan(directory))  # what another thread's scan does just then
+        seen.append(scan.scan(directory))  # what another thread's scan does just then
         return held
 
     monkeypatch.setattr(_locks, "_set_lock", lock_then_scan)
@@ -561,7 +603,7 @@ def test_a_scan_by_another_thread_while_a_record_is_made_leaves_its_lock_held(
         assert os.read(read, 32) == str(os.getpid()).encode()
         os.close(read)
         os.waitpid(pid, 0)
-        assert [r.record_id for r in records.scan(directory).records] == [ticket.record.record_id]
+        assert [r.record_id for r in scan.scan(directory).records] == [ticket.record.record_id]
     finally:
         ticket.remove()
 
@@ -570,7 +612,7 @@ def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path
     """Users are taken in turn: when the time budget ends a scan (after its first 64 records), a
     user whose uid sorts late is not left out behind another user's pile of records. And a
     scan that starts already out of time still looks at its first 64 new names."""
-    from gpuwarden.lease import records
+    from gpuwarden.lease import records, scan
     from tests._lease_util import kept_in_child
 
     directory = tmp_path / "leases"
@@ -587,7 +629,7 @@ def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path
     with kept_in_child(waiting):
         [ticket] = [p for p in directory.iterdir() if p.name.startswith(records.TICKET_PREFIX)]
         os.chown(ticket, 54321, 54321)  # another user's request (root may give it away)
-        scanner = records.Scanner(directory)
+        scanner = scan.Scanner(directory)
         scanner.scan()  # the names are known now (lstat once per name): the next scan opens
         result = scanner.scan(budget_s=0.0)
         assert not result.complete, (result.corrupt, result.left_out)
@@ -596,4 +638,4 @@ def test_a_scan_out_of_time_has_seen_every_users_earliest_request(tmp_path: Path
     ticket_only.mkdir()
     with kept_in_child(lambda: records.OwnedRecord(ticket_only, records.this_process(
             "ticket", "new", gpus_wanted=1))):
-        assert len(records.Scanner(ticket_only).scan(budget_s=0.0).records) == 1
+        assert len(scan.Scanner(ticket_only).scan(budget_s=0.0).records) == 1

@@ -5,12 +5,13 @@ as them, in forked children that drop to their uid and gid: delete or replace a 
 create the directory first, delete it mid-run, point it at a missing path with a link, hold
 the directory mutex (write, read, open-file-description and flock locks), plant FIFOs, 10k
 files, 3000 padded live records and 358k flocks of their own, write hostile records (deeply
-nested, forged, escape sequences, lone surrogates), forge tickets and queue-jump with a raw
-flock, plant the name a grant will use, stop a waiter at the head of the line, plant the
-per-user fallback directory, hard-link a file of root's into the directory before init, link
-loops, a read-only file system. Each test asserts what the user relies on: no GPU granted
-twice, arrival order kept, every request answered within its --wait + 1 s, the holder named,
-nothing printed raw, nothing created or written outside the lease directory, no traceback.
+nested, forged, escape sequences, lone surrogates, the older format claiming root's pid),
+forge tickets and queue-jump with a raw flock, plant the name a grant will use, stop a waiter
+at the head of the line, plant the per-user fallback directory, hard-link a file of root's
+into the directory before init, link loops, a read-only file system. Each test asserts what
+the user relies on: no GPU granted twice, arrival order kept, every request answered within
+its --wait + 1 s, the holder named, nothing printed raw, nothing created or written outside
+the lease directory, no traceback.
 """
 
 from __future__ import annotations
@@ -524,6 +525,92 @@ def test_a_flock_on_a_dead_record_of_another_user_revives_nothing(shared, mallor
         assert grant.visible_devices == "0,1"
 
 
+def _older_record(pid: int, label: str) -> bytes:
+    """A holder record as gpuwarden wrote it before issue 25 (schema 1: a flock, no record
+    lock; the pid, user and start only what the file says), claiming GPU 0."""
+    return json.dumps({"schema": 1, "kind": "holder", "id": label, "pid": pid,
+                       "user": "root", "host": "x", "command": "python train.py",
+                       "label": label, "started_at": 0,
+                       "claims": [{"uuid": GPU0, "index": 0, "slots_per_gpu": 1,
+                                   "slots": [0]}]}).encode()
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+def test_a_forged_record_in_the_older_format_blocks_nothing_and_is_listed(shared, mallory,
+                                                                          prepared):
+    """Issue 39: Mallory plants a record in the pre-record-lock format claiming pid 1 (root's)
+    and holds a flock on it. It is forged (its pid is not its owner's process): `gpuwarden run
+    --gpus 2` gets both GPUs, and `gpuwarden leases` lists it as forged. So is one naming a
+    process of Mallory's that started after the record was written (a pid reused: the
+    writer is gone). One naming the process of Mallory's that wrote it and holds its flock
+    is an older gpuwarden's lease, and is kept off (docs/leases.md, Upgrading)."""
+    leases = shared / "tmp" / "leases"
+    if prepared:
+        leases.mkdir(mode=0o700)
+        _init(leases)
+    else:
+        _shared_dir(leases)
+    forged = leases / "holder.host-1-forged.json"
+
+    def plant_forged() -> int:
+        return _lock_file(forged, create=_older_record(1, "forged"), kind="flock")
+
+    with holding(mallory, plant_forged), nothing_written_outside(shared, leases):
+        code, out = run_wait(1, "--gpus", "2")
+        assert code == 0, out
+        [bad] = [c for c in list_leases().corrupt if c.path == forged]
+        assert "forged" in bad.problem and "pid 1" in bad.problem, bad.problem
+        assert mallory.name in bad.problem, bad.problem
+        code, out, _took = gpuwarden("leases")
+        assert code == 0 and "holder.host-1-forged.json" in out and "forged" in out, out
+
+    reused = leases / "holder.host-2-reused.json"
+
+    def plant_reused() -> tuple[int, subprocess.Popen[bytes]]:
+        # Written first; a process of Mallory's started afterwards is then named in it.
+        reused.write_bytes(_older_record(1, "reused"))
+        reused.chmod(0o644)
+        time.sleep(1.5)  # past the second the record's birth is compared with
+        later = subprocess.Popen(["sleep", "60"])
+        with open(reused, "r+b") as f:  # the same file (inode, birth time), rewritten
+            f.write(_older_record(later.pid, "reused"))
+            f.truncate()
+        return _lock_file(reused, kind="flock"), later
+
+    def kill_later() -> None:
+        for proc in psutil_children_of_user(mallory):
+            proc.kill()
+
+    with holding(mallory, plant_reused), nothing_written_outside(shared, leases):
+        try:
+            with lease(2) as grant:
+                assert grant.visible_devices == "0,1"
+            [bad] = [c for c in list_leases().corrupt if c.path == reused]
+            assert "started after" in bad.problem, bad.problem
+        finally:
+            kill_later()
+
+    truthful = leases / "holder.host-3-true.json"
+
+    def plant_truthful() -> int:
+        return _lock_file(truthful, create=_older_record(os.getpid(), "true"), kind="flock")
+
+    with holding(mallory, plant_truthful) as pid:
+        why = refusal(lambda: acquire(2))
+        assert f"GPU0 leased by pid {pid} ({mallory.name}" in why, why
+        assert "an older gpuwarden's lease" in why, why
+        with lease(1) as grant:
+            assert grant.visible_devices == "1"
+        assert not [c for c in list_leases().corrupt if c.path == truthful]
+
+
+def psutil_children_of_user(user: User) -> list[Any]:
+    import psutil
+
+    return [p for p in psutil.process_iter(["uids", "name"])
+            if p.info["uids"] and p.info["uids"].real == user.uid and p.info["name"] == "sleep"]
+
+
 # -- 6. FIFOs where a mutex, slot or record file is expected ----------------------------------------
 
 def test_a_fifo_as_the_mutex_is_a_clear_error_not_a_hang(shared, mallory):
@@ -880,3 +967,27 @@ def test_a_read_only_file_system_is_named(shared, mallory, monkeypatch):
         assert as_user(mallory, as_other) == 0
     finally:
         subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_only_a_slurmstepd_run_by_root_names_a_processs_slurm_job() -> None:
+    """The steps of one Slurm job share the GPUs one of them holds (lease/jobstep.py): which job
+    a process is in is read from its nearest ancestor titled `slurmstepd: [JOB.STEP]`, and only
+    when root runs it. A user who titles a process of their own so cannot pass for a job's
+    step (and take the GPUs its steps hold)."""
+    from gpuwarden.lease.jobstep import slurm_job_of
+
+    script = 'exec -a "slurmstepd: [77.0]" bash -c "sleep 30 & echo \\$!; wait"'
+    with made_user("sj") as user:
+        for owner, expected in ((None, "77"), (user, None)):
+            proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True,
+                                    user=owner.uid if owner else None,
+                                    group=owner.gid if owner else None,
+                                    extra_groups=[] if owner else None, start_new_session=True)
+            try:
+                assert proc.stdout is not None
+                child = int(proc.stdout.readline())  # the titled process's child
+                assert slurm_job_of(child) == expected, (owner, expected)
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from gpuwarden.errors import ScenarioError, UsageError
@@ -58,13 +59,13 @@ def test_a_pid_file_names_a_real_process_timed_from_its_start(tmp_path: Path) ->
     path.write_text(json.dumps(data))
     backend = SimulatedBackend(path)
     assert backend.read_host().gpus[0].processes == ()  # no pid yet: nothing on the GPU
-    # Popen returns when the child's execve closes its close-on-exec pipe, which the kernel
-    # does before it sets up the new command line: /proc/PID/cmdline may read empty for that
-    # moment ('python', its name, came back beside a CPU hog). The child says it runs first.
-    child = subprocess.Popen([PY, "-c", "print('up', flush=True); import time; time.sleep(60)"],
-                             stdout=subprocess.PIPE)
+    child = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
     try:
-        assert child.stdout is not None and child.stdout.readline() == b"up\n"
+        # Popen returns once exec began; the kernel shows the new argv a moment later (an
+        # empty cmdline before: the process is then named by its comm, 'python').
+        deadline = time.monotonic() + 60
+        while not psutil.Process(child.pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.01)
         (tmp_path / "job.pid").write_text(str(child.pid))
         [proc] = backend.read_host().gpus[0].processes
         assert (proc.pid, proc.used_memory_bytes) == (child.pid, 100 * MIB)
@@ -76,7 +77,6 @@ def test_a_pid_file_names_a_real_process_timed_from_its_start(tmp_path: Path) ->
     finally:
         child.kill()
         child.wait()
-        child.stdout.close()
     assert backend.read_host().gpus[0].processes == ()  # it ended: NVML lists it no more
 
 

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import CancelledError, Future, wait
+from concurrent.futures import CancelledError, Future, as_completed, wait
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -134,6 +135,42 @@ def test_a_worker_stuck_starting_holds_up_nothing_else(two_gpus) -> None:
     assert big.done()
     if big.exception() is not None:  # it waited for the stuck worker
         assert isinstance(big.exception(), PoolBrokenError)
+
+
+@pytest.mark.parametrize("first", ["large", "tiny_while_busy"])
+def test_a_ready_worker_never_waits_behind_one_still_starting(two_gpus, first: str,
+                                                             monkeypatch) -> None:
+    """Issue 39: worker 0 runs a long initializer (loading a model), worker 1 is ready. A
+    50 MiB task and then a tiny one both run at once on worker 1, whichever of them worker 0
+    (reserving while worker 1 was busy) took first; nothing waits for worker 0. Worker 0
+    counts as young (may reserve) for 60 s and starts for 40 s: a reservation that waited
+    for it would time out below, whatever the load; taken back at once it takes seconds."""
+    from gpuwarden.pool import _core
+
+    monkeypatch.setattr(_core, "HOLD_FOR_STARTING_S", 60.0)
+    pool = GPUPool(gpus=2, preload=(), initializer=pool_tasks.sleep_in_slot,
+                   initargs=("0", 40))
+    try:
+        deadline = time.monotonic() + 30
+        while not any(w.index == 1 and w.ready for w in pool.workers()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        if first == "tiny_while_busy":  # worker 1 busy: the large one is reserved by worker 0
+            busy = pool.submit(time.sleep, 0.3)
+        big = pool.submit(len, b"x" * (50 << 20))
+        small = pool.submit(pool_tasks.pid_and_env)
+        assert small.result(timeout=30)[1] == "1"
+        assert big.result(timeout=30) == 50 << 20
+        took = time.monotonic() - started
+        if first == "tiny_while_busy":
+            assert busy.done()
+        # Before the fix the reservation was held HOLD_FOR_STARTING_S (3.1 s with the real
+        # 3 s; here it would be 40 s, worker 0's start): far under that on a loaded box too.
+        assert took < 20, took
+        assert [w.state for w in pool.workers() if w.index == 0] == ["starting"]
+    finally:
+        pool.shutdown(wait=True, kill_workers=True)
 
 
 def test_a_worker_dying_at_start_fails_no_task(two_gpus, tmp_path: Path) -> None:
@@ -360,3 +397,87 @@ def test_cancelled_futures_are_not_run(two_gpus, tmp_path: Path) -> None:
             f.result(timeout=0)
     assert not list(tmp_path.glob("[0-9]"))
     wait(later, timeout=0)
+
+
+# -- issue 39: every future the pool cancels is notified ----------------------------------------
+# concurrent.futures.wait() counts FINISHED and CANCELLED_AND_NOTIFIED only, and as_completed()
+# yields a cancelled future only once it is notified: a future left CANCELLED by the executor
+# would keep both waiting forever (CPython 3.11's own executors leave shutdown(cancel_futures=
+# True)'s that way).
+
+def _all_seen_by_wait_and_as_completed(futures: list[Future[Any]]) -> None:
+    done, not_done = wait(futures, timeout=5)
+    assert not not_done, [f._state for f in not_done]  # type: ignore[attr-defined]
+    assert len(list(as_completed(futures, timeout=5))) == len(futures)
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel_futures", "kill_workers"])
+def test_futures_cancelled_by_shutdown_are_notified(two_gpus, how: str) -> None:
+    """2 tasks running, 3 queued: shutdown cancels the queued ones, and wait() and
+    as_completed() see them done."""
+    pool = GPUPool(gpus=2, preload=())
+    running = [pool.submit(time.sleep, 60 if how != "cancel_futures" else 0.5)
+               for _ in range(2)]
+    queued = [pool.submit(pool_tasks.tiny, i) for i in range(3)]
+    deadline = time.monotonic() + 30
+    while not all(f.running() for f in running):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if how == "timeout":
+        pool.shutdown(wait=True, timeout_s=1)
+    else:
+        pool.shutdown(wait=True, cancel_futures=True, kill_workers=how == "kill_workers")
+    assert all(f.cancelled() for f in queued)
+    _all_seen_by_wait_and_as_completed(running + queued)
+
+
+def test_futures_cancelled_by_their_owner_are_notified_when_the_pool_breaks(two_gpus) -> None:
+    """A queued future its owner cancelled is notified by the executor when it would have run
+    it; a pool that breaks first (its initializer raises) must notify it too."""
+    pool = GPUPool(gpus=1, preload=(), initializer=pool_tasks.sleep_then_raise,
+                   initargs=(1.0,))
+    futures = [pool.submit(pool_tasks.tiny, i) for i in range(4)]
+    deadline = time.monotonic() + 30
+    while not futures[0].running():  # reserved by the worker that is starting
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cancelled = futures[1:]
+    assert all(f.cancel() for f in cancelled)  # queued behind it
+    _all_seen_by_wait_and_as_completed(futures)
+    assert all(isinstance(f.exception(timeout=0), PoolBrokenError)
+               for f in futures if f not in cancelled)
+    pool.shutdown(wait=True)
+
+
+def test_a_thread_waiting_on_queued_futures_is_released_at_interpreter_exit(two_gpus,
+                                                                           tmp_path) -> None:
+    """The exit hook cancels the queued tasks of a hung pool: a thread blocked in wait() on
+    them returns, so the interpreter exits (bounded by exit_timeout_s)."""
+    script = tmp_path / "exit_with_waiter.py"
+    script.write_text(f"""
+import sys, threading, time
+from concurrent.futures import wait
+sys.path.insert(0, {str(ROOT)!r})
+from gpuwarden.pool import GPUPool
+from tests import pool_tasks
+
+pool = GPUPool(gpus=1, preload=(), exit_timeout_s=0.5)
+hung = pool.submit(time.sleep, 600)
+queued = [pool.submit(pool_tasks.tiny, i) for i in range(3)]
+while not hung.running():
+    time.sleep(0.01)
+
+def waiter():
+    done, not_done = wait(queued)
+    print("waiter saw", len(done), "done", flush=True)
+
+threading.Thread(target=waiter).start()  # not a daemon: exit joins it
+print("exiting", flush=True)
+""")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "waiter saw 3 done" in proc.stdout, (proc.stdout, proc.stderr)
+    assert time.monotonic() - started < 25

@@ -219,6 +219,26 @@ def test_shutdown_with_cancel_cancels_the_queued_and_fails_a_requeued_one() -> N
     assert first.state is TaskState.RESERVED  # taken before the shutdown: it still runs
 
 
+def test_a_resolve_owes_the_notification_exactly_for_tasks_never_set_running() -> None:
+    """Every way a task ends without having been handed to a worker (cancelled by shutdown,
+    failed by a broken pool) tells the manager to notify a cancellation; a task that was set
+    running (reserved, sent) never is: set_running_or_notify_cancel() runs once per future."""
+    h = Harness(workers=1, gpus=1)  # the worker is still starting
+    reserved, queued, owner_cancelled = h.submit(3)
+    assert reserved.future_running and reserved.state is TaskState.RESERVED
+    assert owner_cancelled.future.cancel()
+    h.core.break_(RuntimeError("initializer failed"))
+    resolves = [a for a in h.core.actions if isinstance(a, Resolve)]
+    assert {a.task.id: a.notify for a in resolves} == {
+        reserved.id: False, queued.id: True, owner_cancelled.id: True}
+    h2 = Harness(workers=1, gpus=1)
+    h2.start_all()
+    running, waiting = h2.submit(2)
+    h2.core.shutdown(cancel=True, kill=False, deadline=None)
+    [cancel] = [a for a in h2.core.actions if isinstance(a, Resolve)]
+    assert cancel.task is waiting and cancel.cancel and cancel.notify
+
+
 def test_shutdown_runs_the_queue_then_stops_the_workers() -> None:
     h = Harness(workers=1, gpus=1)
     h.start_all()
@@ -288,25 +308,56 @@ def test_resize_retires_a_busy_worker_after_its_task_and_grows_on_new_slots() ->
     assert sum(isinstance(x, StartWorker) for x in h.take()) == 2
 
 
-def test_a_reservation_is_taken_back_for_an_idle_worker_after_the_hold() -> None:
-    now = [0.0]
+def test_an_idle_ready_worker_takes_a_reservation_back_at_once() -> None:
+    """Issue 39: w0 ready, w1 starting (an initializer loading a model). b was reserved by w1
+    while w0 ran a; once w0 is idle it runs b at once: the move leaves the GPUs as even as
+    they were, and a worker that can start b now beats one that cannot (it held 3 s)."""
     h = Harness(workers=2, gpus=2)
-    h.core.clock = lambda: now[0]
     (w0, w1) = sorted(h.core.workers.values(), key=lambda w: w.slot.index)
     h.core.on_forked(w0.key, 1)
     h.core.on_forked(w1.key, 2)
-    h.core.on_ready(w0.key)  # w1 stays starting (an initializer that hangs)
+    h.core.on_ready(w0.key)
     a, b = h.submit(2)
     assert a.worker == w0.key and b.state is TaskState.RESERVED and b.worker == w1.key
     h.core.on_started(w0.key, a.id)
     h.core.on_result(w0.key, a.id, 1, failed=False)
-    h.take()
-    assert b.state is TaskState.RESERVED  # GPU 1 is the less loaded one: b waits for it
+    assert any(isinstance(x, SendTask) and x.task is b for x in h.take())
+    assert b.worker == w0.key and b.state is TaskState.SENT and not w1.inflight
+
+
+def test_a_reservation_that_spreads_the_gpus_waits_only_for_a_young_worker() -> None:
+    """Two workers per GPU; GPU 1's are still starting. b, reserved on GPU 1 while GPU 0 runs a,
+    stays there while GPU 0's other worker idles (moving it would put both tasks on GPU 0),
+    but only until its worker has been starting HOLD_FOR_STARTING_S: then it runs on GPU 0.
+    A new task no longer waits for that worker at all."""
+    now = [0.0]
+    h = Harness(workers=4, gpus=2)
+    h.core.clock = lambda: now[0]
+    workers = sorted(h.core.workers.values(), key=lambda w: w.slot.index)
+    on_gpu0 = [w for w in workers if w.slot.gpu.index == 0]  # type: ignore[union-attr]
+    on_gpu1 = [w for w in workers if w.slot.gpu.index == 1]  # type: ignore[union-attr]
+    for w in on_gpu0:
+        h.core.on_forked(w.key, next(h.pids))
+        h.core.on_ready(w.key)
+    a, b = h.submit(2)
+    assert h.worker_of(a) in on_gpu0 and b.state is TaskState.RESERVED
+    assert h.worker_of(b) in on_gpu1
+    now[0] = 1.0
+    h.core.dispatch()
+    assert not h.take() and b.state is TaskState.RESERVED
     assert h.core.hold_deadline == _core.HOLD_FOR_STARTING_S
     now[0] = h.core.hold_deadline
     h.core.dispatch()
     assert any(isinstance(x, SendTask) and x.task is b for x in h.take())
-    assert b.worker == w0.key and b.state is TaskState.SENT
+    assert h.worker_of(b) in on_gpu0 and b.state is TaskState.SENT
+    # c, with GPU 0's workers both busy, may be reserved on GPU 1 (nobody can start it now),
+    # but the first worker of GPU 0 to be idle runs it: GPU 1's are slow to start.
+    (c,) = h.submit(1)
+    assert c.state is TaskState.RESERVED and h.worker_of(c) in on_gpu1
+    h.core.on_started(h.worker_of(a).key, a.id)
+    h.core.on_result(h.worker_of(a).key, a.id, 1, failed=False)
+    assert any(isinstance(x, SendTask) and x.task is c for x in h.take())
+    assert h.worker_of(c) in on_gpu0 and all(not w.inflight for w in on_gpu1)
 
 
 def test_a_starting_worker_retired_by_resize_gets_no_task_even_if_it_becomes_ready() -> None:

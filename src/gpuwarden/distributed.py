@@ -4,7 +4,9 @@
 launcher started the process — gpuwarden launch / torchrun (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), Slurm's srun (``SLURM_PROCID``,
 ``SLURM_LOCALID``, ``SLURM_NTASKS``, first host of ``SLURM_JOB_NODELIST``) or Open MPI
-(``OMPI_COMM_WORLD_*``) — or runs a world of one. Then, in this order:
+(``OMPI_COMM_WORLD_*``) — or runs a world of one. Under Slurm or MPI it exports ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (``MASTER_ADDR``/``MASTER_PORT`` when
+unset) as torchrun would have set them, for the code that reads them. Then, in this order:
 
 1. the device: ``cuda:0`` when this process sees one GPU (gpuwarden launch, srun with one GPU per
    task), ``cuda:LOCAL_RANK`` when it sees the node's GPUs (torchrun), CPU when there is none;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,7 +128,8 @@ def _detect_world(env: Mapping[str, str]) -> WorldEnv:
         default_addr, job_port = slurm_master(env)
         port = num("MASTER_PORT", 10000 if job_port is None else job_port)
         world = num("SLURM_NTASKS")
-        local_world = num("SLURM_NTASKS_PER_NODE", 0) or num("SLURM_TASKS_PER_NODE", world)
+        local_world = _slurm_tasks_here(env, num("SLURM_NODEID", 0)) \
+            or num("SLURM_NTASKS_PER_NODE", 0) or world
         return WorldEnv(num("SLURM_PROCID"), world, num("SLURM_LOCALID", 0), local_world,
                         _master_addr(env, default_addr), port, "slurm")
     if "OMPI_COMM_WORLD_RANK" in env:
@@ -134,6 +138,41 @@ def _detect_world(env: Mapping[str, str]) -> WorldEnv:
                         num("OMPI_COMM_WORLD_LOCAL_SIZE", world), _master_addr(env, None),
                         num("MASTER_PORT", 29500), "mpi")
     return WorldEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), num("MASTER_PORT", 0), "single")
+
+
+def _slurm_tasks_here(env: Mapping[str, str], node: int) -> int | None:
+    """How many tasks of this step run on this node: entry ``node`` (SLURM_NODEID) of the
+    step's per-node counts, else the job's (``SLURM_STEP_TASKS_PER_NODE``,
+    ``SLURM_TASKS_PER_NODE``: ``3,1`` or ``2(x3),1``, as Slurm compresses them); None when
+    neither is set. Slurm spreads tasks unevenly whenever ``--ntasks`` is given without
+    ``--ntasks-per-node`` (``srun --nodes=2 --ntasks=4`` may place 3 and 1). UsageError naming
+    the variable when it is not such a list or has no entry for this node."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        raw = env.get(name, "")
+        if not raw:
+            continue
+        left = node
+        for item in raw[:4096].split(","):
+            found = re.fullmatch(r"\s*(\d{1,9})(?:\(x(\d{1,9})\))?\s*", item)
+            if found is None:
+                break
+            if left < int(found.group(2) or 1):
+                return int(found.group(1))
+            left -= int(found.group(2) or 1)
+        raise UsageError(f"{name}={raw[:60]!r} names no task count for node {node} "
+                         "(SLURM_NODEID)", why="Slurm writes one count per node: 3,1 or 2(x3),1",
+                         fix=f"run inside the srun step that set {name}, or unset it")
+    return None
+
+
+def _export(world: WorldEnv) -> None:
+    """Under Slurm or MPI, torchrun's variables for the code that reads them after init()
+    (what the srun/mpirun scripts it replaces export by hand): this process's place as found."""
+    if world.launcher not in ("slurm", "mpi"):
+        return
+    os.environ.update({"RANK": str(world.rank), "WORLD_SIZE": str(world.world_size),
+                       "LOCAL_RANK": str(world.local_rank),
+                       "LOCAL_WORLD_SIZE": str(world.local_world_size)})
 
 
 def _master_addr(env: Mapping[str, str], default: str | None) -> str:
@@ -203,6 +242,7 @@ def init(backend: str | None = None, timeout: float | str | timedelta | None = N
         world = WorldEnv(0, 1, 0, 1, world.master_addr, pick_free_port(), "single")
     os.environ.setdefault("MASTER_ADDR", world.master_addr)
     os.environ.setdefault("MASTER_PORT", str(world.master_port))
+    _export(world)
     kwargs: dict[str, Any] = {"backend": chosen, "rank": world.rank, "world_size": world.world_size,
                               "timeout": _as_timedelta(timeout), "init_method": "env://"}
     if chosen == "nccl":

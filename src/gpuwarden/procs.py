@@ -7,7 +7,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 TYPE_CHECKING = False  # neither typing nor dataclasses at run time: see gpuwarden/__init__.py
 if TYPE_CHECKING:
@@ -151,6 +151,10 @@ def live_group_members(pgid: int) -> list[int]:
 _REAPER_SOURCE = r"""
 import os, signal, sys, time
 
+# The signals named on the command line stay pending here instead of acting: the owner reads
+# them in /proc (see GroupReaper.got) and has them taken away with the line "n".
+held = {int(x) for x in sys.argv[1:]}
+signal.pthread_sigmask(signal.SIG_BLOCK, held)
 groups, pids, cgroups = {}, {}, []
 
 def stat(pid):
@@ -227,7 +231,10 @@ for line in sys.stdin:
     if word[0] == "done":
         sys.exit(0)
     try:
-        if word[0] == "c":
+        if word[0] == "n":
+            while held and signal.sigtimedwait(held, 0) is not None:
+                pass
+        elif word[0] == "c":
             cgroups.append(line[2:].rstrip("\n"))
         elif word[0].startswith("p+"):
             pids[int(word[0][2:])] = int(word[1])
@@ -280,14 +287,23 @@ class GroupReaper:
     start time; a single process is killed through a pidfd after the same check; a job's
     cgroup is killed whole (``cgroup.kill``). The owner removes a group before it reaps the
     group's leader.
+
+    The signals in ``hold`` are blocked in the watcher: they neither end it nor act on it,
+    they stay pending, where :meth:`got` sees them. The watcher is placed as a launcher's
+    ranks are (the owner's child, a session of its own), so a signal it got too was sent to
+    more than the owner: to the owner's whole process tree (Slurm's proctrack/linuxproc), its
+    cgroup (proctrack/cgroup), every process of a name (``pkill``). That is how a launcher
+    knows whether its ranks already got a signal it would pass on to them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold: Iterable[int] = ()) -> None:
         import subprocess
 
+        self.hold = frozenset(int(s) for s in hold)
         self._proc = subprocess.Popen(
-            [sys.executable, "-S", "-c", _REAPER_SOURCE], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [sys.executable, "-S", "-c", _REAPER_SOURCE, *map(str, sorted(self.hold))],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
         self.groups: set[int] = set()
         self.pids: set[int] = set()
 
@@ -338,6 +354,30 @@ class GroupReaper:
 
     def add_cgroup(self, path: str) -> None:
         self._tell(f"c {path}")
+
+    def got(self, sig: int) -> bool | None:
+        """Whether signal ``sig`` (one of ``hold``) is pending in the watcher: it was sent to the
+        watcher too. None when that cannot be known (not held, the watcher gone, or its
+        blocked mask not in place yet: it blocks them first thing after it starts)."""
+        if sig not in self.hold or self._proc.poll() is not None:
+            return None
+        masks = {}
+        try:
+            with open(f"/proc/{self._proc.pid}/status", encoding="ascii") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("ShdPnd", "SigPnd", "SigBlk"):
+                        masks[key] = int(value.strip(), 16)
+        except (OSError, ValueError):
+            return None
+        bit = 1 << (sig - 1)
+        if len(masks) < 3 or not masks["SigBlk"] & bit:
+            return None
+        return bool((masks["ShdPnd"] | masks["SigPnd"]) & bit)
+
+    def forget_signals(self) -> None:
+        """Have the watcher take its pending held signals, so that :meth:`got` sees the next."""
+        self._tell("n")
 
     def close(self) -> None:
         """The owner is finishing cleanly: the watcher exits without killing anything."""

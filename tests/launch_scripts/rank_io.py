@@ -9,6 +9,9 @@
     rank_io.py gloo_raise     gloo, an all_reduce, then rank 1 raises ValueError (torch's
                               excepthook prefixes it) and rank 0 ends; each rank prints two
                               lines of its own on stderr
+    rank_io.py raise_abort    rank 0 raises ValueError, then abort()s as the interpreter exits
+                              (what a gloo/NCCL thread of a process group never destroyed does:
+                              "terminate called without an active exception")
 
 Ranks that do not need torch do not import it (a rank then starts in ~50 ms).
 """
@@ -74,5 +77,10 @@ elif mode == "gloo_raise":
     dist.destroy_process_group()
     if RANK == 1:
         raise ValueError("rank 1 gives up")
+elif mode == "raise_abort":
+    import atexit
+
+    atexit.register(os.abort)
+    raise ValueError("rank 0 gives up")
 else:
     sys.exit(f"unknown mode {mode}")

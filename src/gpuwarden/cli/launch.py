@@ -200,7 +200,22 @@ def _add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters",
                    dest="duplicate_stderr_filters", default="", metavar="WORDS",
                    help="the same for stderr (filtered_stderr.log)")
+    g.add_argument("--ranks-filter", "--ranks_filter", dest="ranks_filter", default="",
+                   metavar="RANKS",
+                   help="show only these global ranks' output on the console (e.g. 5 or 0,8-15; "
+                   "--local-ranks-filter's counterpart across nodes); log files get every rank's")
     g.add_argument("--quiet", action="store_true", help="show only rank 0's output on the console")
+    g.add_argument("--plain-console", "--plain_console", dest="plain_console",
+                   action="store_true", default=_env_flag("GPUWARDEN_PLAIN_CONSOLE"),
+                   help="on a terminal, relay every line of every rank as it comes (no live "
+                   "region for progress bars, no identical lines said once); also "
+                   "GPUWARDEN_PLAIN_CONSOLE=1. NO_COLOR and TERM=dumb get it too")
+    g.add_argument("--collapse-window", "--collapse_window", dest="collapse_window",
+                   default=os.environ.get("GPUWARDEN_COLLAPSE_WINDOW") or "50ms",
+                   metavar="DURATION",
+                   help="on a terminal, how long a rank's line may wait for the same line from "
+                   "the other ranks, to be said once as [rank0-7]: ... (default 50ms, at most "
+                   "2s; 0: nothing collapsed); also GPUWARDEN_COLLAPSE_WINDOW")
     g.add_argument("--json", action="store_true",
                    help="print the final report as JSON on stdout (schema_version 1)")
 
@@ -329,6 +344,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         redirects=str(args.redirects),
         tee=str(args.tee),
         local_ranks_filter=_ranks_filter(args.local_ranks_filter),
+        ranks_filter=_global_ranks_filter(args.ranks_filter),
+        plain_console=bool(args.plain_console),
+        collapse_window_s=parse_duration(str(args.collapse_window), what="--collapse-window"),
         duplicate_stdout_filters=_filters(args.duplicate_stdout_filters),
         duplicate_stderr_filters=_filters(args.duplicate_stderr_filters),
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
@@ -424,6 +442,27 @@ def _ranks_filter(text: str) -> frozenset[int] | None:
         raise UsageError(f"--local-ranks-filter {text!r} is not a list of local ranks",
                          fix="e.g. --local-ranks-filter 0,1")
     return frozenset(int(p) for p in parts)
+
+
+def _global_ranks_filter(text: str) -> frozenset[int] | None:
+    """--ranks-filter: global ranks, ranges allowed (``0,8-15``)."""
+    if not text:
+        return None
+    ranks: set[int] = set()
+    for part in (p.strip() for p in str(text).split(",")):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise UsageError(f"--ranks-filter {text!r} is not a list of global ranks",
+                             fix="e.g. --ranks-filter 5, or 0,8-15")
+        ranks.update(range(int(low), int(high if dash else low) + 1))
+        if len(ranks) > 1 << 20:
+            raise UsageError(f"--ranks-filter {text!r} names more than {1 << 20} ranks",
+                             fix="e.g. --ranks-filter 0,8-15")
+    return frozenset(ranks)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _filters(text: str | Sequence[str]) -> tuple[str, ...]:

@@ -24,6 +24,10 @@ STATIC_MASTER_ADDR = "127.0.0.1"
 # it, looked up before the plan (preflight.choose_master_addr).
 DEFAULT_MASTER_ADDR = ""
 DEFAULT_MONITOR_INTERVAL_S = 0.05
+# On a terminal, how long a rank's line may wait for the same line from the other ranks (said
+# once, "[rank0-7]: ..."); the most it may be set to: a line held longer reads as a stall.
+DEFAULT_COLLAPSE_WINDOW_S = 0.05
+MAX_COLLAPSE_WINDOW_S = 2.0
 # torchrun's --signals-to-handle default: each stops the job, passed on to every rank.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # Passed on to every rank's process group and the job goes on: Slurm's preemption notice
@@ -115,6 +119,14 @@ class LaunchConfig:
     redirects: str = "0"
     tee: str = "0"
     local_ranks_filter: frozenset[int] | None = None
+    # gpuwarden's --ranks-filter: the global ranks shown on the console (files get every rank's)
+    ranks_filter: frozenset[int] | None = None
+    # On a terminal showing several ranks: bars in a live region, identical lines said once
+    # (launch/ranks/terminal.py); --plain-console (GPUWARDEN_PLAIN_CONSOLE=1) relays every line
+    # as it comes instead. A line waits at most collapse_window_s for the same line of other
+    # ranks (--collapse-window, GPUWARDEN_COLLAPSE_WINDOW; 0: nothing is collapsed).
+    plain_console: bool = False
+    collapse_window_s: float = DEFAULT_COLLAPSE_WINDOW_S
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     # torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the tag of a tee'd stream's lines
@@ -210,6 +222,11 @@ def _validate(c: LaunchConfig) -> None:
                          fix="--restart-on auto (decide from the failure) or always (torchrun's)")
     if c.restart_backoff_s < 0:
         raise UsageError("--restart-backoff is negative", fix="e.g. --restart-backoff 1s")
+    if not 0 <= c.collapse_window_s <= MAX_COLLAPSE_WINDOW_S:
+        raise UsageError(f"--collapse-window {c.collapse_window_s:g}s is outside 0 to "
+                         f"{MAX_COLLAPSE_WINDOW_S:g} s (a line waits that long at most for the "
+                         "same line of other ranks)", fix="e.g. --collapse-window 50ms, or 0 to "
+                         "collapse nothing")
     if c.monitor_interval_s <= 0:
         raise UsageError("--monitor-interval must be more than 0", fix="e.g. --monitor-interval 0.1")
     if c.start_method not in START_METHODS:

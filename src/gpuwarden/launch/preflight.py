@@ -65,18 +65,23 @@ def take_gpus(config: LaunchConfig, inventory: Inventory | None = None) -> Taken
     if not visible and config.gpus is None:
         return _on_cpu(config, "no GPU visible: ranks run on CPU (gloo)")
 
+    from gpuwarden.lease.jobstep import same_slurm_job
+
     # A memory lease shares its GPU: other processes there count by their memory (the lease
     # manager's accounting), not as a reason to refuse it.
     shared = bool(config.mem_per_rank_bytes)
+    # Inside a Slurm job, its other steps' processes on these GPUs are the job's own use of
+    # them, not a stranger's (`srun --overlap`: the steps of a job share its GPUs).
+    ours = same_slurm_job(p.pid for g in visible for p in g.processes)
     probe = select(visible, Constraints(count=0, min_free_bytes=config.min_free_bytes,
-                                        allow_shared=shared))
+                                        allow_shared=shared, own_pids=ours))
     usable = len(probe.acceptable)
     world = rank_count(config, usable)
     want = config.explicit_gpu_count or world
     if config.share:
         want = min(want, max(usable, 1))
     constraints = Constraints(count=want, min_free_bytes=config.min_free_bytes,
-                              allow_shared=shared)
+                              allow_shared=shared, own_pids=ours)
     now = select(visible, constraints)
     if not now.satisfied and (not config.wait_s or want > len(visible)):
         # Refuse at once, with select's verdict on every GPU, what cannot be served now
@@ -136,14 +141,24 @@ def _take_gpus(count: int, constraints: Constraints, config: LaunchConfig, world
                             on_wait=printer if config.wait_s else None,
                             mem=config.mem_per_rank_bytes or None)
     except ConstraintError as exc:
-        raise _more_ranks_than_gpus(exc, world, count) from exc
+        from gpuwarden.lease.jobstep import blame_slurm_job
+
+        refused = _more_ranks_than_gpus(exc, world, count)
+        blame_slurm_job(refused)  # GPUs another step of this Slurm job holds: its fix
+        raise refused from exc
+    from gpuwarden.lease.jobstep import StepGrant
+
     notes: tuple[str, ...] = ()
+    if isinstance(grant, StepGrant) and grant.slurm_job is not None:
+        holders = ", ".join(f"pid {a.holder_pid}" for a in grant.allocations)
+        notes = (f"GPU(s) {grant.visible_devices} shared with another step of Slurm job "
+                 f"{grant.slurm_job} ({holders}), which holds them",)
     if config.mem_per_rank_bytes:
         from gpuwarden.units import format_bytes
 
-        notes = (f"leased {format_bytes(config.mem_per_rank_bytes)} of GPU(s) "
-                 f"{grant.visible_devices}, one rank each (--mem-per-rank; --mem-enforce "
-                 f"{config.mem_enforce})",)
+        notes += (f"leased {format_bytes(config.mem_per_rank_bytes)} of GPU(s) "
+                  f"{grant.visible_devices}, one rank each (--mem-per-rank; --mem-enforce "
+                  f"{config.mem_enforce})",)
     return TakenGPUs(tuple(grant.gpus), notes, grant.release, grant)
 
 

@@ -349,11 +349,19 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     # its exception is the failure, not the signal.
     raised_then_killed = bool(err) and root.killed_by_launcher
     name = signal_name(-root.returncode) if root.returncode < 0 else None
-    if diag is not None and not (name in _NATIVE_SIGNALS and diag.code == "RANK_FAILED"):
+    # An uncaught exception first (the bootstrap recorded it), then a native signal: the rank
+    # died while the interpreter went down (a gloo or NCCL thread of a process group nobody
+    # destroyed calls std::terminate: "terminate called without an active exception"). The
+    # exception is the failure; the signal is how the exit went, as torchrun's rank would end.
+    raised_then_crashed = bool(err) and name in _NATIVE_SIGNALS and not raised_then_killed
+    if raised_then_crashed and diag is not None and diag.code == "RANK_NATIVE_CRASH":
+        diag = None  # what explain read is the abort at exit ("Fatal Python error: Aborted")
+    if diag is not None and not (name in _NATIVE_SIGNALS and diag.code == "RANK_FAILED"
+                                 and not raised_then_crashed):
         code, why, fix = diag.code, diag.why, diag.fix
-    elif name in _NATIVE_SIGNALS and not raised_then_killed:
+    elif name in _NATIVE_SIGNALS and not raised_then_killed and not raised_then_crashed:
         code = "RANK_NATIVE_CRASH"  # its own native code ended it; the Python stack is below
-    if name is not None and not raised_then_killed:
+    if name is not None and not raised_then_killed and not raised_then_crashed:
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
         why = why or sig_why
         fix = fix or sig_fix
@@ -367,6 +375,9 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     how = exit_words(root.returncode)
     if raised_then_killed:
         how = (f"raised, then its teardown outlived --grace and gpuwarden ended it ({how})")
+    elif raised_then_crashed:
+        how = (f"raised, then died as the interpreter exited ({how}: native threads still "
+               "running, e.g. a process group not destroyed)")
     evidence = [f"rank {root.rank}: pid {root.pid}, {_device(outcome, root.rank)}, "
                 f"{how} after {after:.1f} s"]
     for e in sorted(outcome.exits.values(), key=_by_rank):
@@ -397,7 +408,8 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         fields["error_file"] = recorded.path
     if diag is not None and diag.fields:
         fields["explain"] = dict(diag.fields)  # what explain read in the rank's output (typed)
-    exit_code = 1 if raised_then_killed else shell_exit_code(root.returncode)
+    exit_code = 1 if raised_then_killed or raised_then_crashed \
+        else shell_exit_code(root.returncode)
     return LaunchReport(exit_code, code, what, why, fix, evidence, details,
                         root.rank, fields)
 

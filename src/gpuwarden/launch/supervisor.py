@@ -11,6 +11,8 @@ It composes the parts that each own one thing, and returns a :class:`~.outcome.R
   reported by the node agent (``job_store.py``); also the ranks' own abort key in the workers'
   store (``peers.py``); imported only when the plan has several nodes;
 - what a rank left behind when it ended (``ranks/exit_records.py``);
+- the launcher's own signals (a stop, a notice passed on to the ranks once, a terminal's
+  resize): ``ranks/signals.py`` records them and wakes the loop, which acts on them;
 - an endpoint hosted by the loop (``serve``: the runner passes ``observer/control.py``'s), whose
   requests run between two polls; the supervisor knows it only as :class:`Endpoint`.
 
@@ -26,21 +28,22 @@ import linecache
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from gpuwarden.boundedio import read_json_object
-from gpuwarden.launch.config import forwarded_signals, stop_signals
+from gpuwarden.launch.config import forwarded_signals
 from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_echo
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
-from gpuwarden.launch.ranks.relay import JobRelay, RankRelay, RankStdio
+from gpuwarden.launch.ranks.pipes import RankPipes
+from gpuwarden.launch.ranks.relay import JobRelay, RankRelay
+from gpuwarden.launch.ranks.signals import LauncherSignals
+from gpuwarden.launch.ranks.stdio import RankStdio
 from gpuwarden.launch.watch.placement import pids_of, render_warning, watch_for
 from gpuwarden.launch.watch.sampler import RankSampler, make_request_fifo, sample_interval
 from gpuwarden.launch.watch.stall import (
@@ -62,10 +65,12 @@ REPORT_STACK_FRAMES = 12
 ADOPT_CHECK_S = 1.0  # how often orphans re-parented to the launcher are looked for
 STOP_SETTLE_S = 0.25  # a failure's stop waits this long for ranks already ending (_settle)
 START_PROGRESS_S = 2.0  # a start of many ranks says how far it got this often
+PUMP_ROUNDS_S = 0.01  # reading rounds in one pump while output keeps coming (terminal view)
 # Multi-node: how long ranks may still wait after node 0's store went away before this node
 # stops (a normal end closes the store too, a moment before the last barrier returns).
 STORE_LOST_GRACE_S = 3.0
 STRAGGLER_PERSIST_S = 4.0  # a straggler named this long (3 samples or more) gets its one line
+NOTICE_POLL_S = 0.01  # the loop's wake-up while a signal waits for that decision
 _AGENT = "agent"  # the selector's mark of the node agent's pipe
 _ENDPOINT = "endpoint"  # ... and of the endpoint's requests for the loop
 
@@ -119,13 +124,20 @@ class Supervisor:
                               duplicate_stdout_filters=self.config.duplicate_stdout_filters,
                               duplicate_stderr_filters=self.config.duplicate_stderr_filters,
                               role=self.config.role,
-                              prefix_template=self.config.log_line_prefix_template)
+                              prefix_template=self.config.log_line_prefix_template,
+                              ranks_filter=self.config.ranks_filter,
+                              node=plan.node_rank if plan.nnodes > 1 else None,
+                              layout=[(r.rank, r.local_rank) for r in plan.ranks],
+                              plain_console=self.config.plain_console,
+                              collapse_window_s=self.config.collapse_window_s)
         self.ranks: list[_Rank] = []
         self._placement = watch_for([(r.rank, r.gpu) for r in plan.ranks], self.config.bind)
         self._sel = selectors.DefaultSelector()
-        self._interrupt: str | None = None
-        self._stop_signal = signal.SIGTERM  # what a stop sends the ranks: the one received
-        self._hurry = False  # a second stop signal (Ctrl-C twice): SIGKILL without the grace
+        self._pipes = RankPipes(self._sel)  # the ranks' streams in it (paused while the view waits)
+        # What the launcher's signals asked (a stop, a notice to pass on, a resize).
+        self._signals = LauncherSignals(
+            self._sel, forwarded_signals(self.config.signals_to_handle),
+            watch_resize=self.relay.stdout.isatty or self.relay.stderr.isatty)
         self._stop_began: float | None = None
         self._killed = False
         self._failing: set[int] = set()  # ranks seen FAILED before they exited
@@ -135,10 +147,6 @@ class Supervisor:
         # Enough samples to cover the stall timeout with a margin (the stall clock starts at
         # the first sample that shows the unchanged stack).
         self._keep_samples = int(self.config.stall_timeout_s / self.sample_interval_s) + 4
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
-        self._old_handlers: dict[int, Any] = {}
-        self._old_wakeup_fd: int | None = None
         self.on_stall: Any = None  # callback(Stall) for --keep-waiting reports
         self._peer_files: PeerFiles | None = None
         if plan.nnodes > 1:
@@ -164,7 +172,7 @@ class Supervisor:
 
     def run(self) -> RunOutcome:
         self._started = time.monotonic()
-        self._install_signals()
+        self._signals.install()
         if self.job is not None:
             self._sel.register(self.job.agent.fileno(), selectors.EVENT_READ, _AGENT)
         try:
@@ -172,12 +180,12 @@ class Supervisor:
                 self._endpoint = self._serve(self)
             if self._endpoint is not None:
                 self._sel.register(self._endpoint.fileno(), selectors.EVENT_READ, _ENDPOINT)
-            self._ctx = ProcessContext()
+            self._ctx = ProcessContext(hold=forwarded_signals(self.config.signals_to_handle))
             self._start_ranks()
             self._loop()
         finally:
             self._final_cleanup()
-            self._restore_signals()
+            self._signals.restore()
         return self.outcome(time.monotonic())
 
     def outcome(self, now: float) -> RunOutcome:
@@ -186,7 +194,7 @@ class Supervisor:
         exits = {r.spec.rank: r.exit for r in self.ranks if r.exit is not None}
         return RunOutcome(self.plan, self._started, now, exits,
                           {r.spec.rank: r.proc.pid for r in self.ranks}, self._stall,
-                          self._interrupt, self.peers, self._stopped_for, self._job_failure,
+                          self._signals.interrupt, self.peers, self._stopped_for, self._job_failure,
                           self._own_record, self._memory_stop)
 
     def _start_ranks(self) -> None:
@@ -195,15 +203,19 @@ class Supervisor:
         total = len(self.plan.ranks)
         next_note = time.monotonic() + START_PROGRESS_S
         for started, spec in enumerate(self.plan.ranks):
-            if self._interrupt is not None:
-                print(f"gpuwarden: {self._interrupt} while starting ranks: {started} of {total} "
-                      "started, stopping them", file=self.err, flush=True)
+            if self._signals.interrupt is not None:
+                self._say(f"gpuwarden: {self._signals.interrupt} while starting ranks: {started} of "
+                          f"{total} started, stopping them")
                 return
             self._start(spec)
             if time.monotonic() >= next_note and started + 1 < total:
                 next_note = time.monotonic() + START_PROGRESS_S
-                print(f"gpuwarden: started {started + 1} of {total} ranks", file=self.err,
-                      flush=True)
+                self._say(f"gpuwarden: started {started + 1} of {total} ranks")
+
+    def _say(self, line: str) -> None:
+        """A line of gpuwarden's own on stderr while ranks run (above a terminal's live region)."""
+        with self.relay.aside():
+            print(line, file=self.err, flush=True)
 
     def _start(self, spec: RankSpec) -> None:
         # torch's @record writes TORCHELASTIC_ERROR_FILE without creating its directory;
@@ -242,7 +254,9 @@ class Supervisor:
         next_adopt = time.monotonic() + ADOPT_CHECK_S
         next_memory = 0.0
         while True:
-            self._pump(self.poll_interval_s)
+            self._pump(NOTICE_POLL_S if self._signals.notices else self.poll_interval_s)
+            if self._signals.notices:
+                self._signals.pass_on(time.monotonic(), self._ctx, self._signal_live_ranks)
             self._reap_exited()
             if self._endpoint is not None:
                 self._endpoint.run_pending()
@@ -267,7 +281,7 @@ class Supervisor:
                 if self._memory is not None and now >= next_memory and not failed:
                     next_memory = now + self._memory.interval_s
                     self._check_memory()
-                if self._interrupt is not None or failed or self._stopped_for == "memory":
+                if self._signals.interrupt is not None or failed or self._stopped_for == "memory":
                     self._begin_stop()
                 elif now >= next_sample:
                     next_sample = now + self.sample_interval_s
@@ -279,25 +293,27 @@ class Supervisor:
                         self._check_straggler(now)
                     self._check_placement()
             else:
-                if not self._killed and (self._hurry or now - self._stop_began >= self.config.grace_s):
+                if not self._killed and (self._signals.hurry or now - self._stop_began >= self.config.grace_s):
                     self._killed = True
                     for r in live:
                         self._signal(r, signal.SIGKILL)
         # Output still in the pipes after the last exit (a child of a rank may hold them open:
         # do not wait for EOF longer than a moment). Only the ranks' pipes are waited for: the
-        # signal wake-up, the endpoint and the node agent stay registered to the end.
+        # signal wake-up, the endpoint and the node agent stay registered to the end. Every
+        # pipe is read to its end now, none paused.
+        self._pipes.end()
         deadline = time.monotonic() + 0.3
-        while self._rank_pipes_open() and time.monotonic() < deadline:
+        while self._pipes.is_open() and time.monotonic() < deadline:
             if not self._pump(0.05):
                 break
 
     def _begin_stop(self) -> None:
-        if self._interrupt is None and self._may_be_an_echo():
+        if self._signals.interrupt is None and self._may_be_an_echo():
             self._settle()
         self._stop_began = time.monotonic()
         # As torchrun: a stop because gpuwarden got SIGINT/SIGTERM/SIGHUP/SIGQUIT passes that
         # signal on (a Ctrl-C is a KeyboardInterrupt in every rank); any other stop is SIGTERM.
-        sig = self._stop_signal if self._interrupt is not None else signal.SIGTERM
+        sig = self._signals.stop_signal if self._signals.interrupt is not None else signal.SIGTERM
         for r in self.ranks:
             if r.exit is None:
                 r.tail_at_stop = list(r.relay.stderr_tail)
@@ -310,6 +326,11 @@ class Supervisor:
         still the rank's (never a reaped rank's pgid, which may be another process's now)."""
         if self._ctx is not None:
             self._ctx.signal_rank(r.proc, sig)
+
+    def _signal_live_ranks(self, sig: signal.Signals) -> None:
+        for r in self.ranks:
+            if r.exit is None:
+                self._signal(r, sig)
 
     def _may_be_an_echo(self) -> bool:
         """Whether the stop could be for an echo: a failure seen whose own words say a peer went
@@ -360,7 +381,7 @@ class Supervisor:
         found = self._placement.check(
             lambda: {r.spec.rank: pids_of(r.proc.pid) for r in self.ranks if r.exit is None})
         if found is not None:
-            print(render_warning(found), file=self.err, flush=True)
+            self._say(render_warning(found))
 
     # ---- multi-node ------------------------------------------------------------------------
 
@@ -389,7 +410,7 @@ class Supervisor:
             return
         failed = any(r.exit is not None and r.exit.failed and not r.exit.stopped_by_launcher
                      for r in self.ranks)
-        if not (failed or self._failing or self._stall is not None or self._interrupt):
+        if not (failed or self._failing or self._stall is not None or self._signals.interrupt):
             return
         self._own_record = self._local_record()
         if not self._own_record.get("echo"):
@@ -424,7 +445,7 @@ class Supervisor:
                     r.exit.returncode if r.exit is not None else None,
                     list(r.relay.stderr_tail), read_fatal_dump(r.spec.files.fatal),
                     r.exit.ended_at if r.exit is not None else time.monotonic()))
-        return job_store.local_record(self.plan.node_rank, failed, interrupt=self._interrupt,
+        return job_store.local_record(self.plan.node_rank, failed, interrupt=self._signals.interrupt,
                                       stall=self._stall,
                                       stall_timeout_s=self.config.stall_timeout_s)
 
@@ -448,7 +469,7 @@ class Supervisor:
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
-                self._drain(r)
+                self._pipes.drain(r)
                 r.exit.stderr_tail = list(r.relay.stderr_tail)
                 if not r.exit.fatal_dump.strip():
                     # torch's @record (elastic's error handler) re-enables faulthandler on
@@ -469,6 +490,7 @@ class Supervisor:
             self._peer_files.late_abort()  # the ranks are gone: their peers files are final
         for key in list(self._sel.get_map().values()):
             self._sel.unregister(key.fd)  # the node agent's pipe too (it outlives the round)
+        self._pipes.clear()
         self._sel.close()
         for r in self.ranks:
             r.stdio.close()
@@ -482,48 +504,45 @@ class Supervisor:
     # ---- output ----------------------------------------------------------------------------
 
     def _pump(self, timeout: float) -> bool:
-        """Relay whatever the ranks wrote; True when there was something."""
+        """Relay whatever the ranks wrote; True when there was something. The relay's own
+        deadlines (a line held on a terminal for the same line of other ranks) cut the wait.
+
+        With the terminal's view each ready stream is read once per round, the streams in
+        turn (ranks/pipes.py), and rounds follow one another here while output keeps coming,
+        for at most PUMP_ROUNDS_S: the loop's other work (reaping, sampling) is not done for
+        every few kilobytes; a signal ends the rounds at once."""
+        due = self.relay.next_due()
+        if due is not None:
+            timeout = max(0.0, min(timeout, due - time.monotonic()))
         got = False
-        for key, _ in self._sel.select(timeout):
-            if key.data is None:  # the signal wake-up socket
-                with contextlib.suppress(OSError):
-                    assert self._wake_r is not None
-                    self._wake_r.recv(4096)
-                continue
-            if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
-                assert self._endpoint is not None
-                self._endpoint.clear_wakeups()
-                continue
-            if key.data is _AGENT:
-                self._agent_events()
-                continue
-            rank, is_err = key.data
-            got = True
-            self._read_stream(rank, key.fd, is_err)
-        return got
-
-    def _rank_pipes_open(self) -> bool:
-        return any(isinstance(key.data, tuple) for key in self._sel.get_map().values())
-
-    def _drain(self, rank: _Rank) -> None:
-        registered = {k.fd for k in self._sel.get_map().values()}
-        for fd, is_err in rank.stdio.reads:
-            if fd in registered:
-                self._read_stream(rank, fd, is_err)
-
-    def _read_stream(self, rank: _Rank, fd: int, is_err: bool) -> None:
+        rounds_until = time.monotonic() + PUMP_ROUNDS_S if self.relay.view is not None else 0.0
         while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:  # EIO: the rank's end of its pseudo-terminal is closed
-                data = b""
-            if not data:
-                self._sel.unregister(fd)
-                rank.relay.finish(is_err)
-                return
-            rank.relay.feed(is_err, data)
+            ready = self._sel.select(timeout)
+            signalled = False
+            for key, _ in ready:
+                if key.data is None:  # the signal wake-up socket
+                    self._signals.clear_wakeup()
+                    signalled = True
+                    continue
+                if key.data is _ENDPOINT:  # a status/stacks request: run_pending() follows
+                    assert self._endpoint is not None
+                    self._endpoint.clear_wakeups()
+                    signalled = True
+                    continue
+                if key.data is _AGENT:
+                    self._agent_events()
+                    signalled = True
+                    continue
+                rank, is_err = key.data
+                got = True
+                self._pipes.read(rank, key.fd, is_err)
+            if self._signals.take_resize():
+                self.relay.resized()
+            self.relay.tick()
+            self._pipes.resume_ready()
+            if signalled or not ready or time.monotonic() >= rounds_until:
+                return got
+            timeout = 0.0
 
     # ---- stalls ----------------------------------------------------------------------------
 
@@ -579,7 +598,8 @@ class Supervisor:
         self._stall = stall
         if self.config.keep_waiting:
             if self.on_stall is not None:
-                self.on_stall(self._stall)
+                with self.relay.aside():
+                    self.on_stall(self._stall)
         else:
             self._begin_stop()
 
@@ -594,8 +614,7 @@ class Supervisor:
                 and self._straggler_since is not None \
                 and now - self._straggler_since >= STRAGGLER_PERSIST_S:
             self._straggler_said = True
-            print(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}", file=self.err,
-                  flush=True)
+            self._say(f"gpuwarden: note[RANK_STRAGGLER]: {found.describe()}")
 
     def collect_stacks(self, ranks: list[_Rank]) -> dict[int, list[str]]:
         """A fresh dump of each rank's script thread (its latest sample when none comes)."""
@@ -608,45 +627,6 @@ class Supervisor:
             if frames:
                 out[r.spec.rank] = frames
         return out
-
-    # ---- signals ---------------------------------------------------------------------------
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers only work there; the loop still polls every interval
-        self._wake_r, self._wake_w = socket.socketpair()
-        for s in (self._wake_r, self._wake_w):
-            s.setblocking(False)
-        self._sel.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
-        self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno())
-
-        def on_stop(signum: int, _frame: Any) -> None:
-            if self._interrupt is None:
-                self._interrupt = signal.Signals(signum).name
-                self._stop_signal = signal.Signals(signum)
-            else:
-                self._hurry = True  # asked twice: the user will not wait out the grace
-
-        def on_forward(signum: int, _frame: Any) -> None:
-            for r in self.ranks:
-                if r.exit is None:
-                    self._signal(r, signal.Signals(signum))
-
-        # SIGCHLD only wakes the loop: a rank's death is handled within milliseconds.
-        handlers: list[tuple[signal.Signals, Any]] = [(signal.SIGCHLD, lambda *_: None)]
-        handlers += [(s, on_stop) for s in stop_signals()]
-        handlers += [(s, on_forward) for s in forwarded_signals(self.config.signals_to_handle)]
-        for sig, handler in handlers:
-            self._old_handlers[sig] = signal.signal(sig, handler)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        if self._wake_w is not None:
-            signal.set_wakeup_fd(self._old_wakeup_fd if self._old_wakeup_fd is not None else -1)
-            self._wake_w.close()
-            assert self._wake_r is not None
-            self._wake_r.close()
 
 
 def _source_line(path: str, lineno: int) -> str:

@@ -1,5 +1,5 @@
 """The lease directory: where it is, whether it can be trusted, and the birth time of the
-files in it. The locks themselves are in ``_locks.py``, the records in ``records.py``, what
+files in it. The locks themselves are in ``_locks.py``, the records in ``records.py`` (read by ``scan.py``), what
 the kernel says about the processes named in them in ``_proc.py``.
 
 The directory is shared with other users, so every name in it is hostile until checked

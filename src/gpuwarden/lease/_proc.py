@@ -77,6 +77,23 @@ def process_uid(pid: int) -> int | None:
     return None
 
 
+def process_start_ns(pid: int) -> int | None:
+    """When ``pid`` started, as Unix time in ns (its /proc stat's start, counted in clock
+    ticks since boot: 10 ms resolution), None when there is no such process."""
+    if pid <= 0:
+        return None
+    data = _read_proc(f"/proc/{pid}/stat", 4096)
+    if data is None:
+        return None
+    try:
+        # After the command's closing parenthesis: field 3 (state) on; starttime is field 22.
+        ticks = int(data[data.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+    since_boot_ns = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    return time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME) + since_boot_ns
+
+
 @dataclass(frozen=True)
 class ProcessFacts:
     """What the kernel says about a process (never what a record claims); escaped."""

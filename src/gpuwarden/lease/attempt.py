@@ -44,7 +44,8 @@ from gpuwarden.lease.ledger import (
 )
 from gpuwarden.lease.line import line_ahead, wants, write_ticket
 from gpuwarden.lease.memory import best_fit_key
-from gpuwarden.lease.records import OwnedRecord, SlotClaim, entries_seen, this_process
+from gpuwarden.lease.records import OwnedRecord, SlotClaim, this_process
+from gpuwarden.lease.scan import entries_seen
 from gpuwarden.lease.status import GpuState
 from gpuwarden.lease.waiter import Attempt, Waiter
 from gpuwarden.select import judge, preference_key

@@ -20,13 +20,24 @@ own: its GPUs stay leased exactly as long as the holder holds them, nothing else
 can take them meanwhile, and a step does not arbitrate between itself and the holder's other
 steps (they are one job). A request larger than the holder's allocation fails at once
 (LeaseUnavailableError) rather than waiting for GPUs its own ancestor holds.
+
+**Slurm's steps** (:func:`serve_slurm_job`). The steps of one Slurm job are siblings, not
+descendants: ``srun --overlap --gres=gpu:2`` twice in one allocation gives both steps the same
+GPUs, which Slurm gave the job and no other job can have. So inside a Slurm job, GPUs that a
+process of the *same job* holds are this request's to share, as a job step of that holder,
+when a lease of its own cannot be had (a free GPU is still leased). Which job a process
+belongs to is the kernel's word (:func:`slurm_job_of`): the process title of its nearest
+ancestor that is a slurmstepd running as root, which no user can forge; the slots are checked
+held by the holder (``F_GETLK``), as above. The same processes are not foreign on those
+GPUs (:func:`same_slurm_job`): the job's other steps' ranks use them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,9 +177,12 @@ class StepGrant(Grant):
     :meth:`release` gives nothing back (the holder does, when it releases or ends)."""
 
     def __init__(self, gpus: tuple[GPUSnapshot, ...], allocations: tuple[Allocation, ...],
-                 request: LeaseRequest, lease_dir: Path) -> None:
+                 request: LeaseRequest, lease_dir: Path, slurm_job: str | None = None) -> None:
         # Not Grant.__init__: a step takes no lock, writes no record.
         self.gpus = gpus
+        # Shared with other steps of this Slurm job (serve_slurm_job), not an ancestor's: the
+        # GPUs stay the job's (Slurm's allocation) when the holder's lease ends first.
+        self.slurm_job = slurm_job
         self.allocations = allocations
         wanted = {g.uuid for g in gpus}
         self.claims = tuple(SlotClaim(s.uuid, s.index, s.slots_per_gpu, (s.slot,))
@@ -193,7 +207,7 @@ class StepGrant(Grant):
         self._released = True
 
     def verify(self) -> list[str]:
-        if not self.held:
+        if not self.held or self.slurm_job is not None:
             return []
         return [f"the lease of pid {a.holder_pid} this job step uses has ended"
                 for a in self.allocations
@@ -207,7 +221,8 @@ class StepGrant(Grant):
 
     def __repr__(self) -> str:
         holders = ",".join(str(a.holder_pid) for a in self.allocations)
-        return f"<StepGrant {self.visible_devices!r} of pid {holders}>"
+        job = f" (Slurm job {self.slurm_job})" if self.slurm_job else ""
+        return f"<StepGrant {self.visible_devices!r} of pid {holders}{job}>"
 
 
 def serve(request: LeaseRequest, lease_dir: str | Path | None = None,
@@ -247,6 +262,140 @@ def serve(request: LeaseRequest, lease_dir: str | Path | None = None,
     mine_allocations = tuple(a for a in allocations if used & set(a.uuids))
     directory = Path(lease_dir) if lease_dir else lease_dir_path(dict(environ))
     return StepGrant(chosen, mine_allocations, request, directory)
+
+
+# -- Slurm: the steps of one job share the job's GPUs -------------------------------------
+
+SLURMSTEPD_TITLE = re.compile(rb"slurmstepd: \[(\d+)")  # "slurmstepd: [1234.0]", "[1234.batch]"
+MAX_ANCESTORS = 64
+
+
+def slurm_job_of(pid: int) -> str | None:
+    """The Slurm job ``pid`` runs in on this node, as the kernel says: the job id in the
+    process title of its nearest ancestor (or itself) that is a slurmstepd running as root
+    (``slurmstepd: [1234.0]``). Slurm starts every task and batch script under one; a user can
+    neither run a process as root nor change a root process's title. None outside any job, or
+    when /proc cannot tell (another PID namespace, a process that left its tree)."""
+    from gpuwarden.lease._proc import _read_proc, process_uid
+
+    for _ in range(MAX_ANCESTORS):
+        if pid <= 1:
+            return None
+        title = _read_proc(f"/proc/{pid}/cmdline", 256) or b""
+        found = SLURMSTEPD_TITLE.match(title)
+        if found is not None and process_uid(pid) == 0:
+            return found.group(1).decode()
+        stat = _read_proc(f"/proc/{pid}/stat", 4096)
+        try:
+            pid = int(stat[stat.rindex(b")") + 2:].split()[1]) if stat else 0
+        except (ValueError, IndexError):
+            return None
+    return None
+
+
+_own_job: dict[int, str | None] = {}
+
+
+def own_slurm_job() -> str | None:
+    """:func:`slurm_job_of` this process, read once per process (a waiting request asks at
+    every attempt; a process never moves to another job)."""
+    pid = os.getpid()
+    if pid not in _own_job:
+        _own_job.clear()  # a forked child: its parent's answer is not its own
+        _own_job[pid] = slurm_job_of(pid)
+    return _own_job[pid]
+
+
+def same_slurm_job(pids: Iterable[int]) -> frozenset[int]:
+    """Of ``pids``, those that run in this process's own Slurm job (none outside a job)."""
+    mine = own_slurm_job()
+    if mine is None:
+        return frozenset()
+    return frozenset(p for p in pids if p != os.getpid() and slurm_job_of(p) == mine)
+
+
+def _job_allocations(directory: Path, job: str) -> tuple[Allocation, ...]:
+    """The leases in ``directory`` held by other processes of Slurm job ``job``, each slot
+    confirmed held by its holder (F_GETLK): the holder pid of a record is the kernel's."""
+    from gpuwarden.lease.records import iter_holders
+    from gpuwarden.lease.scan import scan
+
+    out = []
+    for holder in iter_holders(scan(directory).records):
+        if holder.pid <= 0 or holder.pid == os.getpid() or holder.legacy:
+            continue
+        slots = tuple(HeldSlot(c.uuid, c.index, c.slots_per_gpu, slot,
+                               str(gpu_path(directory, c.uuid)))
+                      for c in holder.claims for slot in c.slots)
+        if slots and slurm_job_of(holder.pid) == job \
+                and all(_holds_lock(holder.pid, s) for s in slots):
+            out.append(Allocation(holder.pid, str(directory), holder.record_id, slots))
+    return tuple(out)
+
+
+def serve_slurm_job(request: LeaseRequest, lease_dir: str | Path | None = None,
+                    env: Mapping[str, str] | None = None,
+                    visible: Sequence[GPUSnapshot] | None = None,
+                    inventory: Inventory | None = None) -> StepGrant | None:
+    """``acquire``'s answer, when a lease of its own could not be had, for a process in a
+    Slurm job whose other steps hold the GPUs it asks for: those GPUs, shared as a step of
+    their holders (Slurm gave them to the job; its steps share them with ``--overlap``).
+    None outside a Slurm job, or when the job's other processes hold too few of the GPUs
+    this process may use (then the request is served, or refused, as any other)."""
+    job = own_slurm_job()
+    if job is None or request.memory_bytes:
+        return None  # a memory lease shares GPUs by its bytes already, with every lease
+    environ = os.environ if env is None else env
+    directory = Path(lease_dir) if lease_dir else lease_dir_path(dict(environ))
+    try:
+        allocations = _job_allocations(directory.resolve(), job)
+    except OSError:
+        return None
+    if not allocations:
+        return None
+    if visible is None:
+        from gpuwarden.inventory import Inventory
+
+        _host, visible = (inventory or Inventory.from_env(env)).read_visible()
+    held = {u for a in allocations for u in a.uuids}
+    include = set(request.constraints.include)
+    mine = [g for g in visible if g.uuid in held
+            and (not include or str(g.index) in include or g.uuid in include)]
+    wanted = (min(len(mine), request.up_to or len(mine)) if request.every_usable
+              else request.gpus)
+    if not mine or len(mine) < wanted:
+        return None
+    chosen = tuple(mine[:wanted])
+    used = {g.uuid for g in chosen}
+    return StepGrant(chosen, tuple(a for a in allocations if used & set(a.uuids)), request,
+                     directory, slurm_job=job)
+
+
+def blame_slurm_job(exc: Exception, lease_dir: str | Path | None = None) -> None:
+    """When a refused lease's GPUs are held by another process of this Slurm job, say so in
+    ``exc``: the steps of one job share the GPUs one of them holds only when it holds every
+    GPU the other asks for (a lease of the free ones and a share of the held ones are not
+    mixed)."""
+    from gpuwarden.errors import GpuwardenError
+    from gpuwarden.lease.listing import list_leases
+
+    job = own_slurm_job()
+    if job is None or not isinstance(exc, GpuwardenError):
+        return
+    try:
+        table = list_leases(Path(lease_dir) if lease_dir else None)
+    except (GpuwardenError, OSError):
+        return
+    theirs = [h for h in table.holders if h.pid > 0 and slurm_job_of(h.pid) == job]
+    if not theirs:
+        return
+    note = f"held by another step of this Slurm job {job}"
+    if note not in exc.what:
+        exc.what = f"{exc.what} ({note}: {'; '.join(h.who() for h in theirs)})"
+        exc.args = (exc.what,)
+    exc.fix = ("a step of this job shares the GPUs another of its steps holds when that step "
+               "holds every GPU it asks for: ask for the same GPUs (srun --overlap "
+               "--gres=gpu:N in both steps) or fewer, or run the steps one after the other")
 
 
 def usable(env: Mapping[str, str] | None = None, visible: Sequence[GPUSnapshot] = (),

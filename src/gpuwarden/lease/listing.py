@@ -8,7 +8,8 @@ from typing import Any
 
 from gpuwarden.lease import _fs, _locks, _proc
 from gpuwarden.lease.memory import DEFAULT_RESERVE_BYTES
-from gpuwarden.lease.records import Corrupt, Record, iter_holders, scan
+from gpuwarden.lease.records import Record, iter_holders
+from gpuwarden.lease.scan import Corrupt, scan
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ attempt under the directory mutex is ``attempt.py``'s.
 
 Protocol (every step on a local filesystem, see docs/leases.md):
 
-1. Read the GPUs (NVML or the simulated host) and the records (bounded, records.py)
+1. Read the GPUs (NVML or the simulated host) and the records (bounded, scan.py)
    outside the directory mutex.
 2. Under the mutex (a POSIX write lock, held for about a millisecond; ``attempt.py``): read the records
    again (what changed only), judge every GPU by NVML state with the processes of its lease
@@ -31,7 +31,7 @@ import collections
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,7 +40,7 @@ from gpuwarden.lease import _fs, _locks
 from gpuwarden.lease._watch import DirWatch
 from gpuwarden.lease.attempt import attempt
 from gpuwarden.lease.grant import Grant, LeaseRequest, make_request
-from gpuwarden.lease.records import Scanner
+from gpuwarden.lease.scan import Scanner
 from gpuwarden.lease.status import GpuState, OnWait, WaitStatus
 from gpuwarden.lease.waiter import Attempt, Waiter
 from gpuwarden.select import Constraints
@@ -108,8 +108,16 @@ def acquire(n: int | Literal["all"] | None = None, *, min_free: str | int | None
     if (step := jobstep.serve(req, lease_dir, env, visible, inventory)) is not None:
         return step
     waiter = _new_waiter(req, lease_dir, env)
+
+    def share() -> Grant | None:  # inside a Slurm job: what its other steps hold (jobstep.py)
+        return jobstep.serve_slurm_job(req, waiter.directory, env, visible, inventory)
+
     try:
-        return _acquire(waiter, env, on_wait, visible, inventory)
+        return _acquire(waiter, env, on_wait, visible, inventory,
+                        share if jobstep.own_slurm_job() is not None else None)
+    except (LeaseUnavailableError, LeaseTimeoutError) as exc:
+        jobstep.blame_slurm_job(exc, waiter.directory)
+        raise
     finally:
         if waiter.ticket is not None:
             waiter.ticket.remove()
@@ -153,8 +161,8 @@ def _new_waiter(req: LeaseRequest, lease_dir: str | Path | None,
 
 
 def _acquire(waiter: Waiter, env: Mapping[str, str] | None, on_wait: OnWait | None,
-             visible: Sequence[GPUSnapshot] | None, inventory: Inventory | None = None
-             ) -> Grant:
+             visible: Sequence[GPUSnapshot] | None, inventory: Inventory | None = None,
+             share: Callable[[], Grant | None] | None = None) -> Grant:
     req = waiter.request
     start = time.monotonic()
     wait_s = req.wait_s or 0.0
@@ -183,6 +191,10 @@ def _acquire(waiter: Waiter, env: Mapping[str, str] | None, on_wait: OnWait | No
                                       mutex_timeout_s=mutex_timeout_s)
             if attempt.granted is not None:
                 return attempt.granted
+            # Not leased: GPUs that this Slurm job's other steps hold are shared instead.
+            if share is not None and any(g.kind == "leased" for g in attempt.states) \
+                    and (shared := share()) is not None:
+                return shared
             waited = time.monotonic() - start
             status = _status(req, attempt, waited, wait_s)
             if not will_wait:

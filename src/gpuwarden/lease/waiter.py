@@ -12,7 +12,8 @@ from pathlib import Path
 from gpuwarden.lease import _fs
 from gpuwarden.lease.grant import Grant, LeaseRequest
 from gpuwarden.lease.memory import DEFAULT_RESERVE_BYTES
-from gpuwarden.lease.records import OwnedRecord, Scanner
+from gpuwarden.lease.records import OwnedRecord
+from gpuwarden.lease.scan import Scanner
 from gpuwarden.lease.status import GpuState
 
 

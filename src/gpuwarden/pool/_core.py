@@ -1,14 +1,15 @@
 """The pool's states and their one owner: every transition of a task or a worker happens here.
 
-Pure: no process, socket or thread is touched. The pool's manager thread (executor.py) is
+Pure: no process, socket or thread is touched. The pool's manager thread (_manager.py) is
 the only caller; it turns what it reads from sockets into the events below (:meth:`Core.
 on_ready`, :meth:`Core.on_exit`, ...) and carries out the :class:`Action` s each event
 leaves in :attr:`Core.actions` (start a worker, send a task, kill a process, resolve a
 future). Futures are resolved by the manager after the event, never inside it and never
 under a lock, so a done-callback may call back into the pool.
 
-Task: QUEUED -> SENT -> RUNNING -> DONE | FAILED, or back to QUEUED (requeued) when its
-worker died before starting it; CANCELLED when cancelled or shut down before it was sent.
+Task: QUEUED [-> RESERVED] -> SENT -> RUNNING -> DONE | FAILED, or back to QUEUED (requeued)
+when its worker died before starting it; CANCELLED when cancelled or shut down before it was
+sent.
 Worker: STARTING -> READY <-> BUSY -> DEAD (its slot gets a replacement), or RETIRING /
 STOPPING (no new task; stops once its tasks are done) -> DEAD.
 
@@ -47,8 +48,11 @@ PIPELINE_BELOW_S = 0.005
 PIPELINE_MAX_BYTES = 32 * 1024
 # Workers told to stop get this long to exit before they are killed.
 STOP_GRACE_S = 3.0
-# A task reserved by a worker still starting (on a less loaded GPU: spreading tasks over the
-# GPUs beats starting a second sooner) is taken back for an idle ready worker after this long.
+# A worker still starting may reserve a task when it sits on a less loaded GPU (spreading
+# tasks over the GPUs beats starting a second sooner). An idle ready worker takes such a
+# reservation back whenever moving it leaves the GPUs no less even, and at once, whatever the
+# GPUs, once the starting worker has been starting this long: its initializer loads a model,
+# or hangs, and no task waits for it while a worker that can start the task now is idle.
 HOLD_FOR_STARTING_S = 3.0
 
 
@@ -147,12 +151,16 @@ class KillServer:
 @dataclass(frozen=True)
 class Resolve:
     """Settle ``task``'s future: ``value`` is the result, or the exception when ``failed``;
-    ``cancel`` cancels it instead."""
+    ``cancel`` cancels it instead. ``notify``: the pool never called the future's
+    ``set_running_or_notify_cancel()``; if the future ends up cancelled (here, or by its
+    owner before), that call is still owed: ``concurrent.futures.wait()`` and
+    ``as_completed()`` see a cancelled future only once it is made."""
 
     task: Task
     value: Any = None
     failed: bool = False
     cancel: bool = False
+    notify: bool = False
 
 
 Action = StartWorker | SendTask | StopWorker | KillWorker | StartServer | KillServer | Resolve
@@ -437,9 +445,10 @@ class Core:
         """Give queued tasks to workers: an idle worker first, on the least loaded GPU (so
         that tasks spread over the GPUs), a ready one before one still starting at equal
         load. A worker still starting may reserve one task: it is written to the worker when
-        it is ready, and taken back for an idle ready worker if the queue is empty and
-        either the reservation is older than HOLD_FOR_STARTING_S (the worker may never be
-        ready: an initializer that hangs) or moving it evens out the GPUs."""
+        it is ready. A worker that can start a task now always beats one that has been
+        starting for HOLD_FOR_STARTING_S or longer, and an idle ready worker takes a
+        reservation back when moving it leaves the GPUs no less even, or once its worker has
+        been starting that long (see :meth:`_take_back`)."""
         self.hold_deadline = None
         if self.broken is not None:
             return
@@ -447,6 +456,8 @@ class Core:
         while self.queue:
             task = self.queue[0]
             candidates = [w for w in self.workers.values() if self._capacity(w, task)]
+            if any(w.state is not WorkerState.STARTING for w in candidates):
+                candidates = [w for w in candidates if not self._slow(w, now)]
             if not candidates:
                 break
             load = self._load()
@@ -465,11 +476,17 @@ class Core:
             self._give(worker, task)
         if not self.queue:
             self._take_back(now)
-        young = [w.inflight[0].sent_at for w in self.workers.values()
-                 if w.state is WorkerState.STARTING and w.inflight
-                 and now < w.inflight[0].sent_at + HOLD_FOR_STARTING_S]
+        young = [w.started_at for w in self.workers.values()
+                 if w.state is WorkerState.STARTING and w.inflight and not self._slow(w, now)]
         if young:
             self.hold_deadline = min(young) + HOLD_FOR_STARTING_S
+
+    @staticmethod
+    def _slow(worker: Worker, now: float) -> bool:
+        """Starting for HOLD_FOR_STARTING_S or longer (a forked worker is ready in ~10 ms, a
+        spawned one importing torch in ~1-2 s): no task waits for it."""
+        return worker.state is WorkerState.STARTING \
+            and now >= worker.started_at + HOLD_FOR_STARTING_S
 
     def _give(self, worker: Worker, task: Task) -> None:
         task.worker = worker.key
@@ -482,12 +499,17 @@ class Core:
         self.actions.append(SendTask(worker, task))
 
     def _take_back(self, now: float) -> None:
+        """An idle ready worker runs a task a starting worker reserved, when moving it leaves
+        the GPUs no less even (the idle worker's GPU is the less loaded one: the imbalance
+        after the move is at most what it was) or that worker is slow to start. Only at an
+        equal load does the reservation stay, and only while its worker is young: there it
+        keeps two tasks on two GPUs rather than on one."""
         for idle in [w for w in self.workers.values()
                      if w.state is WorkerState.READY and not w.inflight]:
             load = self._load()
             waiting = [w for w in self.workers.values() if w.state is WorkerState.STARTING
-                       and w.inflight and (now >= w.inflight[0].sent_at + HOLD_FOR_STARTING_S
-                                           or load[_gpu_key(idle)] + 2 <= load[_gpu_key(w)])]
+                       and w.inflight and (self._slow(w, now)
+                                           or load[_gpu_key(idle)] < load[_gpu_key(w)])]
             if not waiting:
                 return
             starting = min(waiting, key=lambda w: w.inflight[0].sent_at)
@@ -573,7 +595,9 @@ class Core:
 
     def _fail(self, task: Task, error: BaseException) -> None:
         task.state = TaskState.FAILED
-        self.actions.append(Resolve(task, error, failed=True))
+        # A queued task failing (a broken pool) may have been cancelled by its owner: the
+        # failure cannot be set then, and the cancellation is still to be notified.
+        self.actions.append(Resolve(task, error, failed=True, notify=not task.future_running))
 
     def _cancel_or_fail(self, task: Task, kind: str) -> None:
         """A task that never ran is cancelled; one whose future is already RUNNING (a
@@ -582,7 +606,7 @@ class Core:
             self._fail(task, self.make_error(Fault(kind, task)))
         else:
             task.state = TaskState.CANCELLED
-            self.actions.append(Resolve(task, cancel=True))
+            self.actions.append(Resolve(task, cancel=True, notify=True))
 
 
 def _gpu_key(worker: Worker) -> str:

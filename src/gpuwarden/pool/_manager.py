@@ -507,3 +507,9 @@ def _settle(resolve: _core.Resolve) -> None:
             future.set_result(resolve.value)
     except InvalidStateError:
         pass  # cancelled by its owner meanwhile: nobody waits for this outcome
+    if resolve.notify and future.cancelled():
+        # CANCELLED -> CANCELLED_AND_NOTIFIED: wait() and as_completed() count a cancelled
+        # future only then, and only its executor makes the call (CPython 3.11's own
+        # executors leave the futures shutdown(cancel_futures=True) cancels un-notified).
+        # Once per future: a task is resolved once, and one set running was never queued.
+        future.set_running_or_notify_cancel()

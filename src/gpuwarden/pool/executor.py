@@ -36,6 +36,8 @@ from gpuwarden.pool import _core, _pickling
 from gpuwarden.pool._core import Task
 from gpuwarden.pool._manager import SERVER_EXIT_WAIT_S, Mailbox, Manager, WorkerInfo, log
 from gpuwarden.pool.errors import PoolArgumentError, PoolBrokenError
+from gpuwarden.pool.gpus import fraction_for as _fraction_for
+from gpuwarden.pool.gpus import memory_per_worker as _memory_per_worker
 from gpuwarden.pool.plan import WorkerSlot, plan_slots
 
 if TYPE_CHECKING:
@@ -186,6 +188,11 @@ class GPUPool(Executor):
         self._spread = workers_per_gpu is None
         self._per_gpu = 1 if workers_per_gpu is None else workers_per_gpu
         self._grants: list[Grant] = []
+        # Kept to lease the same GPUs again after _park (the joblib backend's idle pool).
+        from gpuwarden.pool.gpus import LeaseTerms
+
+        self._lease_terms = LeaseTerms(min_free, allow_shared, label, inventory, mem_bytes)
+        self._parked = False
         self._taken = self._take(gpus, max_workers, min_free, allow_shared, wait, label,
                                  inventory, mem_bytes)
         if mem_bytes and memory_fraction is None and self._taken.gpus:
@@ -294,6 +301,16 @@ class GPUPool(Executor):
         return self._gpus
 
     @property
+    def holds_gpus(self) -> bool:
+        """Whether the pool holds its GPUs' lease now (a parked pool's workers keep their GPU
+        pinning but hold nothing: see :meth:`_park`)."""
+        return bool(self._gpus) and not self._parked
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    @property
     def n_workers(self) -> int:
         return len(self._slots)
 
@@ -373,6 +390,59 @@ class GPUPool(Executor):
                 self._box.put_locked("shutdown", cancel_futures, kill_workers, deadline)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def _park(self) -> bool:
+        """Release the GPUs' lease but keep the workers, when none of the pool's processes
+        holds a context on any of its GPUs (NVML lists none of them): they then hold nothing
+        another job could want. Whether it parked; False leaves the pool as it was (the
+        caller shuts it down). For the joblib backend's warm pool, idle: GPUs are released
+        soon, while the workers, with what their tasks imported, outlive the lease as loky's
+        do. Only an idle pool is parked (no task in it), and :meth:`_unpark` is called before
+        it runs another task."""
+        if self._parked:
+            return True
+        if self._gpus:
+            if self._holds_gpu_context():
+                return False
+            try:
+                self._taken.release()
+            except GpuwardenError as exc:
+                log.warning("releasing the pool's GPUs failed: %s", exc)
+                return False
+        self._parked = True
+        _export_step()
+        return True
+
+    def _unpark(self) -> bool:
+        """Lease the parked pool's GPUs again (the same GPUs, every slot, no waiting), so that
+        its workers, pinned to them, may run tasks, under the terms it first had (every slot,
+        or its memory lease). Whether it did; False when another job
+        took one meanwhile (the caller shuts the pool down and starts another)."""
+        if not self._parked:
+            return True
+        if self._gpus:
+            from gpuwarden.pool.gpus import take_again
+
+            taken = take_again(self._gpus, self._per_gpu, self._lease_terms)
+            if taken is None:
+                return False
+            # The workers' job-step variable names this process and these GPUs' slots (every
+            # slot of each), which the new lease holds again: it stays true.
+            self._taken = taken
+            self._grants = [taken.grant] if taken.grant is not None else []
+        self._parked = False
+        _export_step()
+        return True
+
+    def _holds_gpu_context(self) -> bool:
+        """Whether a process of this pool (a worker, or what a task started: everything under
+        the process server) is on one of its GPUs; True when that cannot be told."""
+        from gpuwarden.pool.gpus import tree_on_gpus
+
+        server = self._manager.server
+        if server is None:
+            return True
+        return tree_on_gpus(self._gpus, server.pid, self._lease_terms.inventory)
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:
@@ -473,7 +543,7 @@ def _wait_for_closing_pools() -> bool:
     """Wait (bounded) for this process's pools that are shutting down and still hold GPUs;
     whether there were any."""
     closing = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p._shutdown
-               and p.gpus and p._thread.is_alive()]
+               and p.holds_gpus and p._thread.is_alive()]
     for pool in closing:
         pool._thread.join(2 * _core.STOP_GRACE_S + SERVER_EXIT_WAIT_S)
     return bool(closing)
@@ -488,7 +558,7 @@ def _release_idle_warm_pool() -> None:
 
 def _blame_own_pools(exc: ConstraintError) -> None:
     """Say so in ``exc`` when this process's own pools hold GPUs that were refused."""
-    mine = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p.gpus]
+    mine = [p for p in list(_live_pools) if p._owner_pid == os.getpid() and p.holds_gpus]
     if not mine:
         return
     held = ", ".join(f"{g.label} by {p!r}" for p in mine for g in p.gpus)
@@ -527,30 +597,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# What a worker's CUDA context takes beside its allocator's memory (NVML counts both).
-CONTEXT_ALLOWANCE_BYTES = 512 * 1024**2
-
-
-def _memory_per_worker(mem_per_worker: int | str | None, workers_per_gpu: int | None) -> int:
-    """``mem_per_worker`` in bytes (0: none); UsageError for a bad one, or without a fixed
-    ``workers_per_gpu`` (the lease of a GPU is that many workers' memory)."""
-    if mem_per_worker is None:
-        return 0
-    from gpuwarden.lease.grant import make_request
-
-    mem_bytes = make_request(1, mem=mem_per_worker).memory_bytes
-    if workers_per_gpu is None:
-        raise UsageError("mem_per_worker needs workers_per_gpu: a GPU's memory lease is that "
-                         "many workers' memory", fix="e.g. GPUPool(workers_per_gpu=2, "
-                         "mem_per_worker='6GiB')")
-    return mem_bytes
-
-
-def _fraction_for(mem_bytes: int, gpus: Sequence[GPUSnapshot]) -> float:
-    """The allocator cap (torch's per-process memory fraction) that keeps a worker inside
-    ``mem_bytes`` on the largest of ``gpus`` (smaller ones give it less)."""
-    total = max(g.memory_total_bytes for g in gpus) or 1
-    allowed = max(mem_bytes - CONTEXT_ALLOWANCE_BYTES, mem_bytes // 2)
-    return max(0.001, min(1.0, allowed / total))

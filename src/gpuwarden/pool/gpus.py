@@ -144,3 +144,91 @@ def take_gpus(spec: str | int | Sequence[int | str], workers_per_gpu: int, *,
         jobstep.blame_ancestor(exc)
         raise
     return TakenGPUs(tuple(grant.gpus), grant.release, grant=grant)
+
+
+@dataclass(frozen=True)
+class LeaseTerms:
+    """What a pool's GPUs were leased under, to lease the same ones again (a parked pool)."""
+
+    min_free: int | str | None
+    allow_shared: bool
+    label: str
+    inventory: Inventory | None
+    mem_per_worker_bytes: int
+
+
+def take_again(gpus: Sequence[GPUSnapshot], workers_per_gpu: int,
+               terms: LeaseTerms) -> TakenGPUs | None:
+    """Lease exactly ``gpus`` again under ``terms`` (every slot of each, or their memory
+    lease), without waiting; None when one of them is not free now (another job took it)."""
+    from gpuwarden.errors import GpuwardenError
+    from gpuwarden.lease.grant import make_request
+
+    uuids = [g.uuid for g in gpus]
+    min_free_bytes = make_request(1, min_free=terms.min_free).constraints.min_free_bytes
+    try:
+        taken = take_gpus(uuids, workers_per_gpu, min_free_bytes=min_free_bytes,
+                          allow_shared=terms.allow_shared, wait=None, label=terms.label,
+                          inventory=terms.inventory,
+                          mem_per_worker_bytes=terms.mem_per_worker_bytes)
+    except GpuwardenError:
+        return None
+    if sorted(g.uuid for g in taken.gpus) != sorted(uuids):
+        taken.release()
+        return None
+    return taken
+
+
+def tree_on_gpus(gpus: Sequence[GPUSnapshot], root_pid: int,
+                 inventory: Inventory | None = None) -> bool:
+    """Whether ``root_pid`` or a process under it is on one of ``gpus``, as NVML (or the
+    simulated host) lists their processes; True when that cannot be told (no reading, a
+    process tree that cannot be read, or NVML's pids of another PID namespace)."""
+    from gpuwarden.errors import GpuwardenError
+    from gpuwarden.inventory import Inventory
+
+    try:
+        host = (inventory or Inventory.from_env()).read_host()
+    except GpuwardenError:
+        return True
+    mine = {g.uuid for g in gpus}
+    on_them = [p for g in host.gpus if g.uuid in mine for p in g.processes]
+    if not on_them:
+        return False
+    if any(p.note and "namespace" in p.note for p in on_them):
+        return True
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        tree = {root_pid, *(c.pid for c in root.children(recursive=True))}
+    except psutil.Error:
+        return True
+    return any(p.pid in tree for p in on_them)
+
+
+# What a worker's CUDA context takes beside its allocator's memory (NVML counts both).
+CONTEXT_ALLOWANCE_BYTES = 512 * 1024**2
+
+
+def memory_per_worker(mem_per_worker: int | str | None, workers_per_gpu: int | None) -> int:
+    """``mem_per_worker`` in bytes (0: none); UsageError for a bad one, or without a fixed
+    ``workers_per_gpu`` (the lease of a GPU is that many workers' memory)."""
+    if mem_per_worker is None:
+        return 0
+    from gpuwarden.lease.grant import make_request
+
+    mem_bytes = make_request(1, mem=mem_per_worker).memory_bytes
+    if workers_per_gpu is None:
+        raise UsageError("mem_per_worker needs workers_per_gpu: a GPU's memory lease is that "
+                         "many workers' memory", fix="e.g. GPUPool(workers_per_gpu=2, "
+                         "mem_per_worker='6GiB')")
+    return mem_bytes
+
+
+def fraction_for(mem_bytes: int, gpus: Sequence[GPUSnapshot]) -> float:
+    """The allocator cap (torch's per-process memory fraction) that keeps a worker inside
+    ``mem_bytes`` on the largest of ``gpus`` (smaller ones give it less)."""
+    total = max(g.memory_total_bytes for g in gpus) or 1
+    allowed = max(mem_bytes - CONTEXT_ALLOWANCE_BYTES, mem_bytes // 2)
+    return max(0.001, min(1.0, allowed / total))

@@ -13,9 +13,11 @@ auto-batching of tiny tasks like loky's backend). Large numpy arrays in argument
 memory maps through joblib's own machinery (``max_nbytes``, ``mmap_mode``, ``temp_folder``
 as with loky). Like loky's reusable executor, the pool outlives one ``Parallel`` call: the
 next call with the same settings reuses its warm workers; a pool left idle
-``idle_worker_timeout`` seconds (default :data:`IDLE_WORKER_TIMEOUT_S`) is shut down, which
-releases its GPUs, and a new :class:`GPUPool` in this process takes over an idle warm pool's
-GPUs at once. Nested ``Parallel`` calls run sequentially (see :meth:`effective_n_jobs`).
+``idle_worker_timeout`` seconds (default :data:`IDLE_WORKER_TIMEOUT_S`) releases its GPUs,
+and keeps its workers :data:`PARKED_WORKER_TIMEOUT_S` more when none of them is on a GPU
+(the next call leases the same GPUs again), else shuts down; a new :class:`GPUPool` in this
+process takes over an idle warm pool's GPUs at once. Nested ``Parallel`` calls run
+sequentially (see :meth:`effective_n_jobs`).
 """
 
 from __future__ import annotations
@@ -46,8 +48,13 @@ if TYPE_CHECKING:
     from gpuwarden.pool.executor import GPUPool
 
 # Seconds: GPUs are a shared resource, so an idle warm pool lets them go soon; long enough
-# that a loop of Parallel calls keeps its workers.
+# that a loop of Parallel calls keeps its lease.
 IDLE_WORKER_TIMEOUT_S = 10.0
+# Seconds a warm pool that let its GPUs go keeps its workers (loky's idle timeout): when none
+# of them holds a context on a GPU they hold nothing another job could want, and a new
+# worker would import again what the tasks need (scikit-learn: seconds per worker). The next
+# call leases the same GPUs again, or gets a new pool when another job took one meanwhile.
+PARKED_WORKER_TIMEOUT_S = 300.0
 # The module every task of this backend needs in its worker (preloaded by the fork server).
 JOBLIB_PRELOAD = "joblib.parallel"
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
@@ -111,7 +118,7 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
         allow_shared=bool(pool_kwargs.get("allow_shared", False)),
         inventory=pool_kwargs.get("inventory"),
         mem_per_worker_bytes=make_request(1, mem=mem).memory_bytes if mem is not None else 0)
-    if own is not None and own.gpus:
+    if own is not None and own.holds_gpus:  # a parked pool's GPUs are counted above
         explicit = pool_kwargs.get("gpus", "auto") != "auto"
         gpus = len(own.gpus) if explicit else len(own.gpus) + gpus
     if gpus:
@@ -136,7 +143,10 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
             timer.cancel()
             _reusable["timer"] = None
         pool = _reusable["pool"]
+        # A parked pool (its GPUs let go when it was idle) takes them again before it is
+        # judged like a warm one; when another job took one, a new pool is started.
         if pool is not None and _reusable["settings"] == settings and pool.running \
+                and pool._unpark() \
                 and _fits(pool, n_workers, pool_kwargs, shared=bool(_reusable["users"])):
             _reusable["users"] += 1
             target = n_workers if _reusable["users"] == 1 else max(n_workers, pool.n_workers)
@@ -187,11 +197,19 @@ def _fits(pool: GPUPool, n_workers: int, pool_kwargs: dict[str, Any], *, shared:
 
 def _done_with(pool: GPUPool, idle_s: float) -> None:
     """A Parallel call stopped using ``pool``: once nobody uses it, start the idle clock (or,
-    for a pool that was replaced meanwhile, shut it down)."""
+    for a pool that was replaced meanwhile, shut it down). When it runs out the pool lets its
+    GPUs go: parked (workers kept, :data:`PARKED_WORKER_TIMEOUT_S` more) when none of its
+    processes is on a GPU, else shut down."""
     def expire() -> None:
         with _lock:
-            if _reusable["pool"] is not pool or _reusable["timer"] is not timer \
+            if _reusable["pool"] is not pool or _reusable["timer"] is not current[0] \
                     or _reusable["users"]:
+                return
+            if not pool.parked and pool._park():
+                current[0] = threading.Timer(PARKED_WORKER_TIMEOUT_S, expire)
+                current[0].daemon = True
+                _reusable["timer"] = current[0]
+                current[0].start()
                 return
             _reusable.update(pool=None, settings=None, timer=None)
             # Marked closing before the lock goes: a new pool asking for these GPUs waits
@@ -200,6 +218,7 @@ def _done_with(pool: GPUPool, idle_s: float) -> None:
         pool.shutdown(wait=True)
 
     timer = None
+    current: list[threading.Timer | None] = [None]
     with _lock:
         replaced = next((e for e in _replaced if e["pool"] is pool), None)
         if replaced is not None:
@@ -213,7 +232,7 @@ def _done_with(pool: GPUPool, idle_s: float) -> None:
             _reusable["users"] = max(0, _reusable["users"] - 1)
             if _reusable["users"]:
                 return
-            timer = threading.Timer(idle_s, expire)
+            timer = current[0] = threading.Timer(idle_s, expire)
             timer.daemon = True
             _reusable["timer"] = timer
     if timer is not None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -380,6 +381,12 @@ def _wait_for_ended(agent: Agent, rnd: int, world: int, me: int, wait_s: float) 
 
 
 def main() -> int:
+    # A signal sent to the launcher's whole process tree is the ranks' business: Slurm's
+    # preemption notice (scancel -s USR1, --signal=USR1@T) reaches every process of the step
+    # under proctrack/linuxproc or cgroup, and by default SIGUSR1/2 would end this process and
+    # the job's store with it (launch/config.py's FORWARDED_SIGNALS).
+    for notice in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(notice, signal.SIG_IGN)
     from gpuwarden.procs import die_with_parent
 
     die_with_parent(int(os.environ.get("GPUWARDEN_SUPERVISOR_PID", os.getppid())))

@@ -67,6 +67,8 @@ def slurm_settings(env: Mapping[str, str]) -> SlurmSettings | None:
 
     Raises UsageError when srun started more than one launcher per node, or when the job has
     several nodes but this is the batch script itself (no srun step: only node 0 would run).
+    A one-node batch script or salloc command (no step) is a launch like any other, whatever
+    its ``--ntasks``.
     """
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     nnodes = slurm_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
@@ -77,11 +79,15 @@ def slurm_settings(env: Mapping[str, str]) -> SlurmSettings | None:
         raise UsageError("SLURM_JOB_NODELIST is not set: the first node (MASTER_ADDR) is unknown",
                          fix="run inside an allocation via srun, or give --master-addr")
     assert master_port is not None  # a job id is set
-    if nnodes > 1 and "SLURM_STEP_ID" not in env:
+    # Only a step's tasks are processes srun started. Outside any step (the batch script
+    # itself, salloc's command) SLURM_NTASKS is the allocation's --ntasks, which the user may
+    # well mean as the ranks gpuwarden starts (torchrun runs there too).
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    if nnodes > 1 and not in_step:
         raise UsageError(f"this Slurm job has {nnodes} nodes but gpuwarden launch runs in the batch "
                          "script itself, i.e. on one node only",
                          fix="srun --ntasks-per-node=1 gpuwarden launch SCRIPT")
-    tasks = slurm_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    tasks = slurm_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if in_step else None
     if tasks is not None and tasks > nnodes:
         raise UsageError(f"srun started {tasks} tasks on {nnodes} node(s); gpuwarden launch starts "
                          "the ranks itself and must run once per node",

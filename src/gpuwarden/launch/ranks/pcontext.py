@@ -13,7 +13,8 @@ and keep every descendant (shaped like torch.distributed.elastic's ``PContext``)
   process stuck in the kernel (D state) cannot hold the launcher forever;
 - **every descendant is tracked**: where the host lets this user make a cgroup (cgroup v2,
   root or a delegated subtree: ``systemd-run --user --scope -p Delegate=yes gpuwarden
-  launch ...``) the ranks start in a cgroup of the job's own, which nothing started in it can
+  launch ...``) and no Slurm job tracks the processes already (:func:`in_slurm_job`), the
+  ranks start in a cgroup of the job's own, which nothing started in it can
   leave without privilege, and which is killed whole at the end; elsewhere the launcher is
   the child subreaper (``PR_SET_CHILD_SUBREAPER``): a descendant that double-forks and calls
   ``setsid`` (a daemon) is re-parented here instead of to init, and the descendants that
@@ -35,7 +36,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -98,6 +99,15 @@ def children_of_self() -> set[int]:
 
 
 # -- a cgroup per job -----------------------------------------------------------------------------
+
+def in_slurm_job(env: Mapping[str, str]) -> bool:
+    """This process runs in a Slurm job on one of its nodes (slurmstepd started it or an
+    ancestor: a step's task, a batch script). Slurm tracks every process of the job there
+    (proctrack): its cgroups, its signals, its end. The ranks stay in Slurm's container: a
+    cgroup of the job's own, nested under a task's cgroup v2, would take them out of what
+    Slurm reads (task_N/cgroup.procs), out of reach of scancel and of its limits."""
+    return bool((env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")) and env.get("SLURMD_NODENAME"))
+
 
 def _cgroup2_mount() -> str | None:
     try:
@@ -229,9 +239,10 @@ class _Member:
 class ProcessContext:
     """The ranks' processes: start, signal, stop, reap; plus the descendants it adopts."""
 
-    def __init__(self, *, cgroup: bool = True) -> None:
-        self.reaper = GroupReaper()
-        self.cgroup = JobCgroup.create() if cgroup else None
+    def __init__(self, *, cgroup: bool = True, hold: Iterable[int] = ()) -> None:
+        # The watcher holds the signals passed on to the ranks (see signal_reached_ranks).
+        self.reaper = GroupReaper(hold)
+        self.cgroup = JobCgroup.create() if cgroup and not in_slurm_job(os.environ) else None
         if self.cgroup is not None:
             self.reaper.add_cgroup(self.cgroup.path)
         self._own: set[int] = {self.reaper.pid}  # started here: never "adopted"
@@ -250,7 +261,7 @@ class ProcessContext:
               stdin: int | None = subprocess.DEVNULL, stdout: int = subprocess.PIPE,
               stderr: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
         """Start one rank in a session of its own; ``stdin=None`` inherits the launcher's (as
-        torchrun's ranks do), ``stdout``/``stderr`` are descriptors (launch/relay.RankStdio)."""
+        torchrun's ranks do), ``stdout``/``stderr`` are descriptors (launch/ranks/stdio.RankStdio)."""
         proc = subprocess.Popen(
             list(argv), env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr,
             start_new_session=True, close_fds=True,
@@ -288,6 +299,21 @@ class ProcessContext:
         code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
         member.returncode = code
         return code
+
+    def signal_reached_ranks(self, sig: int) -> bool | None:
+        """Whether ``sig``, just received by this process, was sent to its ranks too: the
+        watcher, placed as a rank is (a child of this process in a session of its own), holds
+        it pending. Slurm signals a step's whole process tree under proctrack/linuxproc and its
+        cgroup under proctrack/cgroup, the ranks included, but only the task's process group
+        under proctrack/pgid; ``pkill`` reaches every process of a name; a user's ``kill``
+        reaches this process alone. (A job cgroup of gpuwarden's own holds the ranks but not
+        the watcher; it is never made inside a Slurm job, and every other sender that signals
+        a cgroup does it with its sub-cgroups.) None when the watcher cannot tell: it does not
+        hold ``sig``, or it is gone."""
+        got = self.reaper.got(sig)
+        if got:
+            self.reaper.forget_signals()
+        return got
 
     def signal_rank(self, proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         """Signal the rank's process group, only while its leader is unreaped (the group is then

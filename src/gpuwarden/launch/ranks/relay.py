@@ -40,12 +40,15 @@ import collections
 import contextlib
 import errno
 import os
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Protocol, TextIO
+from typing import IO, TYPE_CHECKING, Protocol, TextIO
 
 from gpuwarden.launch.config import STD_ERR, STD_OUT, parse_std_spec, std_for
+from gpuwarden.launch.ranks.stdio import RankStdio
+
+if TYPE_CHECKING:
+    from gpuwarden.launch.ranks.terminal import TerminalView, _Stream
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is relayed in pieces of this size
 STDERR_TAIL_LINES = 40  # the last stderr lines of a rank kept for the report
@@ -65,23 +68,35 @@ class RankOutputs:
     tee_prefix: bytes = b""
     tee_out: bool = False
     tee_err: bool = False
+    # On a terminal with several nodes the node is named too, b"[node1 rank5]: ", as `gpuwarden
+    # status` and `stacks` name it; piped output keeps b"[rank5]: " (byte for byte as before).
+    terminal_prefix: bytes = b""
 
     def prefix_of(self, is_err: bool) -> bytes:
         return self.tee_prefix if (self.tee_err if is_err else self.tee_out) else self.prefix
+
+    @property
+    def torch_tag(self) -> bytes:
+        """What torch itself starts a rank's lines with (its excepthook, its logs)."""
+        return self.prefix.rstrip(b" ")
 
 
 def rank_outputs(*, rank: int, local_rank: int, redirects: str, tee: str,
                  local_ranks_filter: frozenset[int] | None, quiet: bool,
                  attempt_dir: str | None, role: str = "default",
-                 prefix_template: str | None = None) -> RankOutputs:
+                 prefix_template: str | None = None,
+                 ranks_filter: frozenset[int] | None = None,
+                 node: int | None = None) -> RankOutputs:
     """torchrun's rules: a redirected stream goes to its file only, a tee'd one to its file and
     the console, tagged ``[<role><local rank>]:`` (or TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with
     ``${role_name}``, ``${rank}``, ``${local_rank}``); ``--local-ranks-filter`` hides other local
-    ranks from the console (their files are still written, none tee'd); gpuwarden's ``--quiet``
-    shows global rank 0 only."""
+    ranks from the console (their files are still written, none tee'd); gpuwarden's
+    ``--ranks-filter`` does the same by global rank, and ``--quiet`` shows global rank 0 only.
+    ``node``: this node's rank when there are several, named in the terminal's prefix."""
     red = std_for(parse_std_spec(redirects, what="--redirects"), local_rank)
     tees = std_for(parse_std_spec(tee, what="--tee"), local_rank)
-    listed = local_ranks_filter is None or local_rank in local_ranks_filter
+    listed = (local_ranks_filter is None or local_rank in local_ranks_filter) and (
+        ranks_filter is None or rank in ranks_filter)
     shown = listed and (not quiet or rank == 0)
 
     def route(bit: int, name: str) -> tuple[bool, str | None]:
@@ -98,9 +113,11 @@ def rank_outputs(*, rank: int, local_rank: int, redirects: str, tee: str,
         tag = Template(prefix_template).safe_substitute(role_name=role, rank=rank,
                                                         local_rank=local_rank)
     teed = attempt_dir is not None and listed
-    return RankOutputs(f"[rank{rank}]: ".encode(), console_out, console_err, out_file, err_file,
+    prefix = f"[rank{rank}]: ".encode()
+    return RankOutputs(prefix, console_out, console_err, out_file, err_file,
                        tag.encode(), teed and bool(tees & STD_OUT),
-                       teed and bool(tees & STD_ERR))
+                       teed and bool(tees & STD_ERR),
+                       prefix if node is None else f"[node{node} rank{rank}]: ".encode())
 
 
 class Console:
@@ -115,6 +132,9 @@ class Console:
         # On a terminal: which rank's stream has written a line without its newline yet (a
         # prompt); shared by the two consoles when both are the terminal (JobRelay).
         self.line = _OpenLine()
+        # On a terminal shared by several ranks' bars (terminal.py): what is written here by
+        # anything but the view goes above its live region (TerminalView.external).
+        self.view: TerminalView | None = None
         with contextlib.suppress(OSError, ValueError):
             stream.flush()  # what gpuwarden printed itself comes first
 
@@ -131,6 +151,12 @@ class Console:
             return None
 
     def write(self, data: bytes) -> None:
+        if self.view is not None and data:
+            self.view.external(data)
+        else:
+            self.write_direct(data)
+
+    def write_direct(self, data: bytes) -> None:
         if self.closed or not data:
             return
         try:
@@ -217,13 +243,16 @@ class StreamRelay:
     def __init__(self, prefix: bytes, console: Console | None, file: _Writable | None,
                  tail: collections.deque[str] | None = None,
                  filters: Sequence[bytes] = (), filtered: _Writable | None = None,
-                 tty: Console | None = None) -> None:
+                 tty: Console | None = None, view: _Stream | None = None,
+                 torch_tag: bytes | None = None) -> None:
         self.prefix = prefix
         self.console = console
         self.tty = tty  # a terminal console: everything passed on at once (_tty_write)
+        self.view = view  # ... or shown by the terminal's view of several ranks (terminal.py)
         # torch's own excepthook and logs already start lines with "[rankN]:": not twice
         tag = prefix.rstrip(b" ")
-        self._twice = (prefix + tag, tag) if tag else None
+        torch_tag = tag if torch_tag is None else torch_tag
+        self._twice = (prefix + torch_tag, tag) if tag else None
         self.file = file
         self.tail = tail
         self.filters = tuple(filters)
@@ -232,7 +261,9 @@ class StreamRelay:
         self._pending = bytearray()  # the unfinished line, at most MAX_LINE_BYTES
 
     def feed(self, data: bytes) -> None:
-        if self.tty is not None:
+        if self.view is not None:
+            self.view.feed(data)
+        elif self.tty is not None:
             self._tty_write(data)
         # Slices of at most MAX_LINE_BYTES: a whole line inside one slice is then shorter than
         # the bound, and only the line that continues the pending one can be longer.
@@ -311,7 +342,9 @@ class StreamRelay:
 
     def finish(self) -> None:
         """End of the stream: an unfinished last line is passed on as a line."""
-        if self.tty is not None and self.tty.line.owner is self:
+        if self.view is not None:
+            self.view.finish()
+        elif self.tty is not None and self.tty.line.owner is self:
             self.tty.line.owner = None
             self.tty.write(b"\n")
         if self._pending:
@@ -364,101 +397,47 @@ def _tail_line(raw: bytes) -> str:
     return raw[:TAIL_LINE_CHARS * 4].decode("utf-8", errors="replace")[:TAIL_LINE_CHARS]
 
 
-class RankStdio:
-    """The descriptors one rank's stdout and stderr are made of, and the ends the supervisor
-    reads: a pseudo-terminal for a stream that goes to a terminal console (torchrun's rank
-    writes to that terminal itself), a pipe for every other one.
-
-    ``child_out``/``child_err`` are given to the rank and closed here once it started
-    (:meth:`started`), so that the rank's exit ends the stream; ``reads`` are ``(fd, is_err)``,
-    non-blocking, closed by :meth:`close`. A pseudo-terminal passes bytes unchanged (no
-    ``\\n`` to ``\\r\\n``), has the console's size less the prefix's width (a progress bar
-    fits one line), and is no controlling terminal of the rank (its own session), as under
-    torchrun, where ranks run in sessions of their own too.
-    """
-
-    def __init__(self, tty_out: Console | None, tty_err: Console | None, prefix_width: int) -> None:
-        self.reads: list[tuple[int, bool]] = []
-        self._child: list[int] = []
-        try:
-            self.child_out = self._open(False, tty_out, prefix_width)
-            self.child_err = self._open(True, tty_err, prefix_width)
-        except OSError:
-            self.started()
-            self.close()
-            raise
-
-    def _open(self, is_err: bool, tty: Console | None, prefix_width: int) -> int:
-        if tty is None:
-            read, write = os.pipe()
-        else:
-            read, write = os.openpty()
-            _raw_output(write, tty.winsize(), prefix_width)
-        os.set_blocking(read, False)
-        self.reads.append((read, is_err))
-        self._child.append(write)
-        return write
-
-    def started(self) -> None:
-        """The rank holds its own copies now (or never will): close the parent's."""
-        for fd in self._child:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._child.clear()
-
-    def close(self) -> None:
-        for fd, _ in self.reads:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.reads.clear()
-
-
-def _raw_output(slave: int, winsize: bytes | None, prefix_width: int) -> None:
-    import fcntl
-    import termios
-
-    attrs = termios.tcgetattr(slave)
-    attrs[1] &= ~termios.OPOST  # oflag: what the rank writes arrives unchanged
-    attrs[3] &= ~termios.ECHO  # lflag: nothing is typed into it (stdin is the launcher's)
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
-    if winsize is not None:
-        rows, cols, xpix, ypix = struct.unpack("HHHH", winsize)
-        cols = max(20, cols - prefix_width) if cols else cols
-        with contextlib.suppress(OSError):
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, xpix, ypix))
-
-
 class RankRelay:
     """Both streams of one rank, and the files they own."""
 
     def __init__(self, outputs: RankOutputs, stdout: Console, stderr: Console,
                  filtered: tuple[LogFile | None, LogFile | None] = (None, None),
-                 filters: tuple[Sequence[bytes], Sequence[bytes]] = ((), ())) -> None:
+                 filters: tuple[Sequence[bytes], Sequence[bytes]] = ((), ()),
+                 rank: int = 0) -> None:
         self.outputs = outputs
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._stderr = stderr
         self._files: list[LogFile] = []
+        self.stdio: RankStdio | None = None
         # A stream shown on a terminal and written to no file: torchrun's rank would write to
         # the terminal itself, so this one gets a terminal too (RankStdio).
         self.tty_out = stdout if outputs.console_out and outputs.stdout_file is None \
             and stdout.isatty else None
         self.tty_err = stderr if outputs.console_err and outputs.stderr_file is None \
             and stderr.isatty else None
+        prefix = outputs.terminal_prefix or outputs.prefix
+        views = [tty.view.stream(rank, is_err, prefix, outputs.torch_tag)
+                 if tty is not None and tty.view is not None else None
+                 for is_err, tty in ((False, self.tty_out), (True, self.tty_err))]
+        # the width a line's prefix takes on the terminal (and one column the view keeps free)
+        self.prefix_width = len(prefix) + (1 if any(views) else 0)
         # torchrun's filters read the tee'd streams only
         self.out = StreamRelay(
-            outputs.prefix_of(False),
+            prefix if self.tty_out is not None else outputs.prefix_of(False),
             stdout if outputs.console_out and self.tty_out is None else None,
             self._open(outputs.stdout_file), None, filters[0] if outputs.tee_out else (),
-            filtered[0], self.tty_out)
+            filtered[0], self.tty_out, views[0], outputs.torch_tag)
         self.err = StreamRelay(
-            outputs.prefix_of(True),
+            prefix if self.tty_err is not None else outputs.prefix_of(True),
             stderr if outputs.console_err and self.tty_err is None else None,
             self._open(outputs.stderr_file), self.stderr_tail,
-            filters[1] if outputs.tee_err else (), filtered[1], self.tty_err)
+            filters[1] if outputs.tee_err else (), filtered[1], self.tty_err, views[1],
+            outputs.torch_tag)
 
     def open_stdio(self) -> RankStdio:
         """The rank's stdout and stderr, as :class:`RankStdio` decides them."""
-        return RankStdio(self.tty_out, self.tty_err, len(self.outputs.prefix))
+        self.stdio = RankStdio(self.tty_out, self.tty_err, self.prefix_width)
+        return self.stdio
 
     def _open(self, path: str | None) -> LogFile | None:
         if path is None:
@@ -469,6 +448,16 @@ class RankRelay:
 
     def feed(self, is_err: bool, data: bytes) -> None:
         (self.err if is_err else self.out).feed(data)
+
+    def viewed(self, is_err: bool) -> bool:
+        """Whether the stream is shown by the terminal's view (terminal.py)."""
+        return (self.err if is_err else self.out).view is not None
+
+    def accepts(self, is_err: bool) -> bool:
+        """Whether to read more of the stream now: the terminal's view pauses a rank whose
+        lines wait for the other ranks' (at most its window), as a terminal's flow control."""
+        view = (self.err if is_err else self.out).view
+        return view is None or view.accepts()
 
     def finish(self, is_err: bool) -> None:
         (self.err if is_err else self.out).finish()
@@ -484,22 +473,40 @@ def _warner(console: Console) -> Callable[[str], None]:
     return lambda line: console.write(line.encode() + b"\n")
 
 
+def terminal_view_allowed(env: Mapping[str, str]) -> bool:
+    """Whether the terminal may be drawn on (a live region moved with cursor sequences):
+    not under ``NO_COLOR`` (no-color.org: set and not empty) nor ``TERM=dumb`` (or unset),
+    which get the plain relay, every line as it comes."""
+    return not env.get("NO_COLOR") and env.get("TERM", "dumb") not in ("", "dumb", "unknown")
+
+
 class JobRelay:
     """The relay of one launch: the two consoles, the filtered-lines files, one RankRelay per
-    rank (opened as each rank starts)."""
+    rank (opened as each rank starts); on a terminal showing two ranks or more, the terminal's
+    view (terminal.py) unless ``plain_console``.
+
+    ``layout``: every (rank, local rank) of this node, known before any starts (the view is
+    chosen once, for all of them). ``node``: this node's rank when the job has several nodes.
+    ``collapse_window_s``: how long a line may wait for the same line from other ranks on the
+    terminal (0: identical lines are not collapsed; bars still stay in place)."""
 
     def __init__(self, stdout: TextIO, stderr: TextIO, *, redirects: str = "0", tee: str = "0",
                  local_ranks_filter: frozenset[int] | None = None, quiet: bool = False,
                  attempt_dir: str | None = None,
                  duplicate_stdout_filters: Sequence[str] = (),
                  duplicate_stderr_filters: Sequence[str] = (), role: str = "default",
-                 prefix_template: str | None = None) -> None:
+                 prefix_template: str | None = None,
+                 ranks_filter: frozenset[int] | None = None, node: int | None = None,
+                 layout: Sequence[tuple[int, int]] = (), plain_console: bool = False,
+                 collapse_window_s: float = 0.05,
+                 env: Mapping[str, str] | None = None) -> None:
         self.stdout = Console(stdout)
         self.stderr = Console(stderr)
         if self.stdout.isatty and self.stderr.isatty:
             self.stderr.line = self.stdout.line  # one terminal: one cursor
         self.redirects, self.tee = redirects, tee
         self.local_ranks_filter, self.quiet = local_ranks_filter, quiet
+        self.ranks_filter, self.node = ranks_filter, node
         self.attempt_dir = attempt_dir
         self.role, self.prefix_template = role, prefix_template
         self.filters = (tuple(f.encode() for f in duplicate_stdout_filters if f),
@@ -511,20 +518,89 @@ class JobRelay:
                     self._filtered[i] = LogFile(os.path.join(attempt_dir, name),
                                                 _warner(self.stderr))
         self.ranks: list[RankRelay] = []
+        self.view: TerminalView | None = None
+        if not plain_console and terminal_view_allowed(os.environ if env is None else env):
+            self._choose_view(layout, collapse_window_s)
+
+    def _outputs(self, rank: int, local_rank: int) -> RankOutputs:
+        return rank_outputs(rank=rank, local_rank=local_rank, redirects=self.redirects,
+                            tee=self.tee, local_ranks_filter=self.local_ranks_filter,
+                            quiet=self.quiet, attempt_dir=self.attempt_dir,
+                            role=self.role, prefix_template=self.prefix_template,
+                            ranks_filter=self.ranks_filter, node=self.node)
+
+    def _choose_view(self, layout: Sequence[tuple[int, int]], window_s: float) -> None:
+        """The view draws on one terminal: stderr's (where progress bars go by default) or
+        stdout's; the other console joins it when it is the same terminal. It is used when
+        two ranks or more show a stream there (with one, the plain relay keeps a bar in place)."""
+        consoles = [c for c in (self.stderr, self.stdout) if c.isatty]
+        if not consoles:
+            return
+        term = consoles[0]
+        shared = [c for c in consoles if c is term or _same_terminal(c, term)]
+        shown = set()
+        for rank, local_rank in layout:
+            o = self._outputs(rank, local_rank)
+            if (self.stdout in shared and o.console_out and o.stdout_file is None) or (
+                    self.stderr in shared and o.console_err and o.stderr_file is None):
+                shown.add(rank)
+        if len(shown) < 2:
+            return
+        from gpuwarden.launch.ranks.terminal import TerminalView
+
+        self.view = TerminalView(term, window_s=window_s, node=self.node)
+        for c in shared:
+            c.view = self.view
 
     def open_rank(self, rank: int, local_rank: int) -> RankRelay:
-        outputs = rank_outputs(rank=rank, local_rank=local_rank, redirects=self.redirects,
-                               tee=self.tee, local_ranks_filter=self.local_ranks_filter,
-                               quiet=self.quiet, attempt_dir=self.attempt_dir,
-                               role=self.role, prefix_template=self.prefix_template)
-        relay = RankRelay(outputs, self.stdout, self.stderr,
-                          (self._filtered[0], self._filtered[1]), self.filters)
+        relay = RankRelay(self._outputs(rank, local_rank), self.stdout, self.stderr,
+                          (self._filtered[0], self._filtered[1]), self.filters, rank)
         self.ranks.append(relay)
         return relay
+
+    # ---- the terminal's view: time, gpuwarden's own lines, resizes -----------------------
+
+    def next_due(self) -> float | None:
+        """When :meth:`tick` has something to do (monotonic time; None: nothing waits)."""
+        return self.view.next_due() if self.view is not None else None
+
+    def tick(self) -> None:
+        """Say what has waited long enough (a line held for the same line of other ranks)."""
+        if self.view is not None:
+            self.view.tick()
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Around gpuwarden's own lines on its stdout/stderr while ranks run: on a terminal with
+        the view, its live region leaves the screen first and comes back after."""
+        if self.view is None:
+            yield
+            return
+        with self.view.aside():
+            yield
+
+    def resized(self) -> None:
+        """The terminal's size changed: the ranks' pseudo-terminals and the view follow."""
+        for relay in self.ranks:
+            if relay.stdio is not None:
+                relay.stdio.resize()
+        if self.view is not None:
+            self.view.resized()
 
     def close(self) -> None:
         for relay in self.ranks:
             relay.close()
+        if self.view is not None:
+            self.view.close()
+            for c in (self.stdout, self.stderr):
+                c.view = None
         for f in self._filtered:
             if f is not None:
                 f.close()
+
+
+def _same_terminal(a: Console, b: Console) -> bool:
+    try:
+        return os.fstat(a.stream.fileno()).st_rdev == os.fstat(b.stream.fileno()).st_rdev
+    except (AttributeError, OSError, ValueError):
+        return True
