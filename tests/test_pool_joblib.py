@@ -433,8 +433,12 @@ def test_ctrl_c_during_parallel_stops_everything(two_gpus, tmp_path) -> None:
     marks.mkdir()
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C)
+    # SIGINT at its default, as a terminal starts a command: a suite run started in the
+    # background by a shell without job control ignores SIGINT, the script would inherit that
+    # and Python then raises no KeyboardInterrupt (the script would sleep on, past 60 s).
     proc = subprocess.Popen([sys.executable, str(script), str(marks)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while len(list(marks.iterdir())) < 2:
         assert time.monotonic() < deadline and proc.poll() is None
