@@ -69,3 +69,11 @@ def test_short_command_keeps_the_script_name() -> None:
     assert len(short) == 80 and short.startswith("/usr/bin/python3")
     assert short.endswith("port_holder.py 29500")
     assert short_command(["python", "a.py"]) == "python a.py"
+
+
+def test_rank_runs_are_ranges_of_consecutive_ranks_in_order() -> None:
+    from gpuwarden.units import rank_runs
+
+    assert rank_runs([7, 0, 1, 2, 3, 5]) == ["0-3", "5", "7"]
+    assert rank_runs([3, 3, 4]) == ["3-4"]
+    assert rank_runs([]) == []

@@ -1,4 +1,4 @@
-"""Parsing and printing of sizes and durations given by users.
+"""Parsing and printing of sizes and durations given by users, and of rank sets.
 
 Sizes: ``K/M/G/T`` and ``KiB/MiB/GiB/TiB`` are binary (as nvidia-smi counts
 memory), ``KB/MB/GB/TB`` decimal, a bare number is bytes.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 from gpuwarden.errors import UsageError
 
@@ -99,3 +100,20 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
     return f"{seconds // 3600:.0f}h{(seconds % 3600) // 60:02.0f}m"
+
+
+def rank_runs(ranks: Iterable[int]) -> list[str]:
+    """Consecutive ranks as ranges, in order: [0, 1, 2, 3, 5, 7] -> ['0-3', '5', '7'] (what
+    ``gpuwarden stacks`` and the console's collapsed lines write, joined their own way)."""
+    out: list[str] = []
+    start = prev = None
+    for r in sorted(set(ranks)):
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+    return out

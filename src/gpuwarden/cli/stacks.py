@@ -14,6 +14,7 @@ from typing import Any
 
 from gpuwarden.cli._output import emit_json, is_terminal, note
 from gpuwarden.safetext import escape_untrusted
+from gpuwarden.units import rank_runs
 
 LINE_CHARS = 300
 
@@ -89,18 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_list(ranks: list[int]) -> str:
     """'0-3, 5, 7' for a rank list."""
-    out: list[str] = []
-    start = prev = None
-    for r in sorted(ranks):
-        if start is not None and prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-    return ", ".join(out)
+    return ", ".join(rank_runs(ranks))
 
 
 def _frame(f: dict[str, Any]) -> str:

@@ -225,6 +225,24 @@ class StepGrant(Grant):
         return f"<StepGrant {self.visible_devices!r} of pid {holders}{job}>"
 
 
+def _held_gpus(request: LeaseRequest, allocations: Sequence[Allocation],
+               env: Mapping[str, str] | None, visible: Sequence[GPUSnapshot] | None,
+               inventory: Inventory | None) -> tuple[list[GPUSnapshot], int]:
+    """The visible GPUs that ``allocations`` hold and the request may use (its include list),
+    and how many it wants of them."""
+    if visible is None:
+        from gpuwarden.inventory import Inventory
+
+        _host, visible = (inventory or Inventory.from_env(env)).read_visible()
+    held = {u for a in allocations for u in a.uuids}
+    include = set(request.constraints.include)
+    mine = [g for g in visible if g.uuid in held
+            and (not include or str(g.index) in include or g.uuid in include)]
+    wanted = (min(len(mine), request.up_to or len(mine)) if request.every_usable
+              else request.gpus)
+    return mine, wanted
+
+
 def serve(request: LeaseRequest, lease_dir: str | Path | None = None,
           env: Mapping[str, str] | None = None,
           visible: Sequence[GPUSnapshot] | None = None,
@@ -237,16 +255,7 @@ def serve(request: LeaseRequest, lease_dir: str | Path | None = None,
     allocations = inherited(environ, lease_dir)
     if not allocations:
         return None
-    if visible is None:
-        from gpuwarden.inventory import Inventory
-
-        _host, visible = (inventory or Inventory.from_env(env)).read_visible()
-    held = {u for a in allocations for u in a.uuids}
-    include = set(request.constraints.include)
-    mine = [g for g in visible if g.uuid in held
-            and (not include or str(g.index) in include or g.uuid in include)]
-    wanted = (min(len(mine), request.up_to or len(mine)) if request.every_usable
-              else request.gpus)
+    mine, wanted = _held_gpus(request, allocations, env, visible, inventory)
     if not mine or len(mine) < wanted:
         holders = ", ".join(f"pid {a.holder_pid}" for a in allocations)
         raise LeaseUnavailableError(
@@ -353,16 +362,7 @@ def serve_slurm_job(request: LeaseRequest, lease_dir: str | Path | None = None,
         return None
     if not allocations:
         return None
-    if visible is None:
-        from gpuwarden.inventory import Inventory
-
-        _host, visible = (inventory or Inventory.from_env(env)).read_visible()
-    held = {u for a in allocations for u in a.uuids}
-    include = set(request.constraints.include)
-    mine = [g for g in visible if g.uuid in held
-            and (not include or str(g.index) in include or g.uuid in include)]
-    wanted = (min(len(mine), request.up_to or len(mine)) if request.every_usable
-              else request.gpus)
+    mine, wanted = _held_gpus(request, allocations, env, visible, inventory)
     if not mine or len(mine) < wanted:
         return None
     chosen = tuple(mine[:wanted])

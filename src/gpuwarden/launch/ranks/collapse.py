@@ -45,6 +45,8 @@ import collections
 import re
 from collections.abc import Iterable
 
+from gpuwarden.units import rank_runs
+
 # A stream's pending bytes before the relay stops reading it: large enough that a rank whose
 # lines wait for silent ranks is not slowed (1 MiB per window is 20 MB/s), bounded for all ranks.
 QUEUE_BYTES = 1 << 20
@@ -405,18 +407,8 @@ def rank_set(ranks: Iterable[int]) -> str:
     """``0-7``, ``0,2,5``, ``0-3,8-11``: runs of consecutive ranks as ranges (as ``gpuwarden
     stacks`` writes them, without its spaces); a set longer than :data:`LABEL_CHARS` is cut and
     counted: ``0,2,4,6,8,...,62 (32 ranks)``."""
-    ordered = sorted(ranks)
-    parts: list[str] = []
-    start = prev = None
-    for r in ordered:
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    ordered = sorted(set(ranks))
+    parts = rank_runs(ordered)
     text = ",".join(parts)
     if len(text) <= LABEL_CHARS:
         return text
