@@ -297,8 +297,10 @@ def stage_tests(ctx: Context) -> dict[str, Any]:
     # writes the junit file) has then answered the most.
     tests = ROOT / "tests"
     first = [tests / f"{name}.py" for name in FIRST_TEST_FILES if (tests / f"{name}.py").exists()]
+    # One process, in the files' order, without the project's xdist options (-o addopts): the
+    # card's image has its own pytest-xdist, of whatever version, and these tests share one GPU.
     argv = [ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
-            "--ignore", str(tests / "test_stories.py"), f"--junitxml={junit}",
+            "-o", "addopts=", "-p", "no:randomly", "--ignore", str(tests / "test_stories.py"), f"--junitxml={junit}",
             *map(str, first), str(tests), *(["-k", ctx.test_filter] if ctx.test_filter else [])]
     res = ctx.run("gpu tests", argv, ROOT, ctx.left("tests"))
     summary = parse_junit(junit)
