@@ -15,9 +15,7 @@ Times are monotonic stamps the ranks write themselves (one clock for the whole m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
+from _procs import wait_or_kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "scripts" / "restart_rank.py"
@@ -46,17 +44,9 @@ def _run(tool: str, mode: str, restarts: int, extra: list[str]) -> tuple[float, 
     start = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    try:
-        code = proc.wait(CAP_S)
-    except subprocess.TimeoutExpired:  # torchrun's restarted attempt can hang in its rendezvous
-        # torchrun starts each rank in a session of its own: killing the launcher's group alone
-        # would leave its ranks running, so take the whole tree first.
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for child in tree:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        proc.wait()
+    # torchrun's restarted attempt can hang in its rendezvous: -1 when it outlived the cap
+    code = wait_or_kill_tree(proc, CAP_S)
+    if code is None:
         code = -1
     return time.monotonic() - start, stamps, code
 

@@ -15,9 +15,7 @@ torchrun --standalone with its defaults (--monitor-interval 0.1); gpuwarden laun
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
+from _procs import wait_or_kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "scripts" / "stop_rank.py"
@@ -44,15 +42,7 @@ def _run(tool: str, mode: str, victim: str, nproc: int) -> tuple[float | None, i
     start = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    try:
-        proc.wait(CAP_S)
-    except subprocess.TimeoutExpired:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for child in tree:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        proc.wait()
+    wait_or_kill_tree(proc, CAP_S)
     wall = time.monotonic() - start
     if not (stamps / "failed").exists():
         return None, 0, wall

@@ -22,6 +22,7 @@ from gpuwarden.lease import _locks, acquire, list_leases
 from gpuwarden.lease.memory import DEFAULT_RESERVE_BYTES, gpu_budget, overuses
 from gpuwarden.lease.records import Record, SlotClaim, parse_record_bytes
 from tests._lease_util import kept_in_child, wait_all
+from tests.conftest import until
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -32,16 +33,6 @@ GPU0 = "GPU-00000000-0000-0000-0000-0000000080a0"
 GPU1 = "GPU-00000000-0000-0000-0000-0000000080a1"
 # A child that runs until its stop file appears (a job that ends when the test says so).
 WAIT_FOR_FILE = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.02)"
-
-
-def _until(what: str, cond: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-        time.sleep(0.02)
 
 
 def _holder(label: str) -> Record | None:
@@ -211,17 +202,17 @@ def test_a_large_request_is_overtaken_for_a_bounded_time_only(scenario, lease_di
     if waiter == 0:
         code = 1
         try:
-            _until("the 50 GiB lease", lambda: _holder("fifty"))
+            until("the 50 GiB lease", lambda: _holder("fifty"))
             with acquire(mem="40GiB", constraints=_only(GPU0), wait=60, label="forty"):
                 code = 0
         finally:
             os._exit(code)
     try:
-        ticket = _until("the 40 GiB request in line", lambda: _ticket("forty"))
+        ticket = until("the 40 GiB request in line", lambda: _ticket("forty"))
         # Young in line: a small request that fits where the large one does not passes it.
         if time.time() - ticket.started_at < bound - 1.0:
             acquire(mem="6GiB", constraints=_only(GPU0), label="early").release()
-        _until("the bound", lambda: time.time() - ticket.started_at > bound + 0.2)
+        until("the bound", lambda: time.time() - ticket.started_at > bound + 0.2)
         with pytest.raises(LeaseUnavailableError) as info:
             acquire(mem="6GiB", constraints=_only(GPU0))
         assert "held back for an earlier request" in info.value.render()
@@ -244,15 +235,15 @@ def test_three_20gib_runs_share_gpu0_a_70gib_run_gets_gpu1_a_30gib_run_waits_its
         for label, mem in (("a", "20GiB"), ("b", "20GiB"), ("c", "20GiB"), ("big", "70GiB")):
             runs[label] = _gpuwarden("run", "--mem", mem, "--label", label, "--", PY, "-c",
                                      WAIT_FOR_FILE, str(tmp_path / f"{label}.stop"))
-            _until(f"run {label} leased", lambda label=label: _holder(label))
+            until(f"run {label} leased", lambda label=label: _holder(label))
         placed = {h.label: [c.index for c in h.claims] for h in list_leases().holders}
         assert placed == {"a": [0], "b": [0], "c": [0], "big": [1]}
         runs["d"] = _gpuwarden("run", "--mem", "30GiB", "--wait", "2m", "--label", "d", "--",
                                PY, "-c", WAIT_FOR_FILE, str(tmp_path / "d.stop"))
-        _until("run d in line", lambda: _ticket("d"))
+        until("run d in line", lambda: _ticket("d"))
         assert _holder("d") is None
         (tmp_path / "b.stop").touch()
-        holder = _until("run d leased once b ended", lambda: _holder("d"))
+        holder = until("run d leased once b ended", lambda: _holder("d"))
         assert [c.index for c in holder.claims] == [0]
         for label in runs:
             (tmp_path / f"{label}.stop").touch()
@@ -317,10 +308,10 @@ def test_a_run_past_its_lease_is_named_within_2s_on_its_stderr_and_by_leases_ls_
                      str(tmp_path / "grow.pid"), str(stop))
     err = _Lines(run.stderr)
     try:
-        pid = int(_until("the child's pid", lambda: (tmp_path / "grow.pid").exists()
+        pid = int(until("the child's pid", lambda: (tmp_path / "grow.pid").exists()
                          and (tmp_path / "grow.pid").read_text()))
         crossed_at = psutil.Process(pid).create_time() + cross_at_s
-        named_at = _until("the finding on the run's stderr",
+        named_at = until("the finding on the run's stderr",
                           lambda: err.first("warning[LEASE_MEMORY_EXCEEDED]"))
         # Measured from the moment the simulated timeline crosses the lease, not from the
         # start: the 2 s are the guard's, whatever the box's load did before.
@@ -519,7 +510,7 @@ def test_where_mps_runs_a_memory_lease_pins_the_child_to_its_memory(scenario, le
     daemon = subprocess.Popen([str(fake), "60"])
     try:
         (tmp_path / "nvidia-cuda-mps-control.pid").write_text(f"{daemon.pid}\n")
-        _until("the daemon's exec", lambda: Path(f"/proc/{daemon.pid}/comm").read_text()
+        until("the daemon's exec", lambda: Path(f"/proc/{daemon.pid}/comm").read_text()
                .startswith("nvidia-cuda-mps"))
         state = mps_state()
         assert state.running and state.pid == daemon.pid
