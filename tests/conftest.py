@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,19 @@ def wait_until_gone(pids: list[int], timeout_s: float = LEFTOVER_GRACE_S) -> lis
         if alive:
             time.sleep(0.05)
     return alive
+
+
+def until(what: str, check: Callable[[], Any], timeout_s: float = 60.0,
+          poll_s: float = 0.02) -> Any:
+    """``check()``'s first true value, polled every ``poll_s``; fails naming ``what`` after
+    ``timeout_s``: a wait for an event, with a cap far above a loaded machine's times."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+        time.sleep(poll_s)
 
 
 def _alive(pid: int) -> bool:

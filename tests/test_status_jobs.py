@@ -24,7 +24,7 @@ from gpuwarden.cli import main
 from gpuwarden.inventory import Inventory
 from gpuwarden.inventory.snapshot import ComputeMode, GPUProcess, GPUSnapshot, HostSnapshot
 from tests._unix_users import made_user
-from tests.conftest import SCENARIOS
+from tests.conftest import SCENARIOS, until
 
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "straggler.py")
 GPUWARDEN = str(Path(sys.executable).parent / "gpuwarden")
@@ -96,13 +96,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
 
 
 def _until(what: str, check: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.25)
+    return until(what, check, timeout_s, poll_s=0.25)  # each check runs `gpuwarden status`
 
 
 def test_status_shows_the_sleeping_rank_out_of_the_collective(job: Job) -> None:
