@@ -407,8 +407,8 @@ def rank_set(ranks: Iterable[int]) -> str:
     """``0-7``, ``0,2,5``, ``0-3,8-11``: runs of consecutive ranks as ranges (as ``gpuwarden
     stacks`` writes them, without its spaces); a set longer than :data:`LABEL_CHARS` is cut and
     counted: ``0,2,4,6,8,...,62 (32 ranks)``."""
-    ordered = sorted(set(ranks))
-    parts = rank_runs(ordered)
+    unique = set(ranks)
+    parts = rank_runs(unique)
     text = ",".join(parts)
     if len(text) <= LABEL_CHARS:
         return text
@@ -417,7 +417,7 @@ def rank_set(ranks: Iterable[int]) -> str:
         if len(",".join([*kept, part])) > LABEL_CHARS - 8:
             break
         kept.append(part)
-    return f"{','.join(kept)},...,{parts[-1]} ({len(ordered)} ranks)"
+    return f"{','.join(kept)},...,{parts[-1]} ({len(unique)} ranks)"
 
 
 def label(ranks: Iterable[int], node: int | None = None) -> bytes:
