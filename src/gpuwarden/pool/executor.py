@@ -409,6 +409,7 @@ class GPUPool(Executor):
             except GpuwardenError as exc:
                 log.warning("releasing the pool's GPUs failed: %s", exc)
                 return False
+            self._grants = []  # released: nothing of them may be passed on as a job step
         self._parked = True
         _export_step()
         return True
