@@ -17,9 +17,12 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class ProbeStatus(str, Enum):
@@ -97,44 +100,45 @@ def resolve(host: str, *, timeout_s: float = 3.0) -> Resolution:
         return Resolution(host, (host,), None, 0.0)
     except ValueError:
         pass
-    box: dict[str, object] = {}
+    answered, infos, error = _within(
+        lambda: socket.getaddrinfo(host, None, type=socket.SOCK_STREAM), timeout_s,
+        f"resolve-{host}")
+    elapsed = time.monotonic() - start
+    if not answered:
+        return Resolution(host, (), f"the resolver did not answer within {timeout_s:g} s", elapsed)
+    if error is not None:
+        return Resolution(host, (), error, elapsed)
+    addrs = tuple(dict.fromkeys(str(i[4][0]) for i in infos or ()))
+    return Resolution(host, addrs, None if addrs else "no address", elapsed)
+
+
+def _within(call: Callable[[], T], timeout_s: float, name: str
+            ) -> tuple[bool, T | None, str | None]:
+    """``call()`` (a resolver call: no timeout of its own, it can block for the resolver's
+    whole retry cycle) in a daemon thread we stop waiting for after ``timeout_s``: whether it
+    answered, its value, and its error (OSError, UnicodeError) as text."""
+    box: dict[str, Any] = {}
 
     def work() -> None:
         try:
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-            box["addrs"] = tuple(dict.fromkeys(str(i[4][0]) for i in infos))
+            box["value"] = call()
         except (OSError, UnicodeError) as exc:
             box["error"] = str(exc)
 
-    thread = threading.Thread(target=work, name=f"resolve-{host}", daemon=True)
+    thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     thread.join(timeout_s)
-    elapsed = time.monotonic() - start
     if thread.is_alive():
-        return Resolution(host, (), f"the resolver did not answer within {timeout_s:g} s", elapsed)
-    if "error" in box:
-        return Resolution(host, (), str(box["error"]), elapsed)
-    addrs = box.get("addrs", ())
-    assert isinstance(addrs, tuple)
-    return Resolution(host, addrs, None if addrs else "no address", elapsed)
+        return False, None, None
+    return True, box.get("value"), box.get("error")
 
 
 def host_fqdn(*, timeout_s: float = 2.0) -> str | None:
     """This host's name as ``socket.getfqdn()`` gives it: the name torch's rendezvous advertises
     for a node (and torchrun's workers get as MASTER_ADDR on one node). None when the resolver
     does not answer within ``timeout_s`` (getfqdn has no timeout of its own)."""
-    box: dict[str, str] = {}
-
-    def work() -> None:
-        try:
-            box["name"] = socket.getfqdn()
-        except (OSError, UnicodeError):
-            pass
-
-    thread = threading.Thread(target=work, name="resolve-fqdn", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return box.get("name") or None
+    _answered, name, _error = _within(socket.getfqdn, timeout_s, "resolve-fqdn")
+    return name or None
 
 
 def is_local_address(address: str) -> bool:
