@@ -241,6 +241,22 @@ def test_a_rank_that_raised_then_aborted_at_exit_failed_of_its_exception(
     assert "RANK_NATIVE_CRASH" not in done.stderr and "abort()" not in done.stderr
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_a_rank_that_finished_then_aborted_at_exit_is_named_so(
+        tmp_path: Path, cpu_env: dict[str, str]) -> None:
+    """The same crash one step later: the script returned (its work done), then the rank died
+    of SIGABRT as the interpreter went down (seen in the README's demo under load: torch's
+    gloo threads). A failure, with the signal's exit code as torchrun's, but said as what it
+    is: after the script, at the interpreter's exit."""
+    done = subprocess.run([GPUWARDEN, "launch", "-n", "1", "--cpu", SCRIPT, "finish_abort"],
+                          env=cpu_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 134, done.stderr
+    assert "rank 0 done" in done.stdout
+    assert ("error[RANK_NATIVE_CRASH]: rank 0 finished its script, then was killed by "
+            "SIGABRT(-6) as its interpreter exited") in done.stderr, done.stderr
+    assert "why: the script had returned" in done.stderr, done.stderr
+
+
 # ---- nothing a torchrun rank would not print -------------------------------------------------
 
 @pytest.mark.timeout(180)

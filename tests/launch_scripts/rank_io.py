@@ -12,6 +12,8 @@
     rank_io.py raise_abort    rank 0 raises ValueError, then abort()s as the interpreter exits
                               (what a gloo/NCCL thread of a process group never destroyed does:
                               "terminate called without an active exception")
+    rank_io.py finish_abort   rank 0 prints a line and returns, then abort()s as the
+                              interpreter exits (the same, after a script that succeeded)
 
 Ranks that do not need torch do not import it (a rank then starts in ~50 ms).
 """
@@ -82,5 +84,10 @@ elif mode == "raise_abort":
 
     atexit.register(os.abort)
     raise ValueError("rank 0 gives up")
+elif mode == "finish_abort":
+    import atexit
+
+    atexit.register(os.abort)
+    print("rank 0 done", flush=True)
 else:
     sys.exit(f"unknown mode {mode}")

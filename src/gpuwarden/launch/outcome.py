@@ -87,6 +87,9 @@ class RankExit:
     stderr_tail: list[str] = field(default_factory=list)
     killed_by_launcher: bool = False  # gpuwarden SIGKILLed it (after --grace) before it ended
     torch_error: TorchError | None = None  # what it recorded in TORCHELASTIC_ERROR_FILE
+    # Its script had returned (the bootstrap's FINISHED phase) when it ended: a signal after
+    # that came while the interpreter shut down.
+    finished_script: bool = False
     # Its last stderr lines when gpuwarden began stopping the job (what a stop signal makes a
     # rank print, torch's C++ stack of an interrupted call, comes after and would push them out)
     stderr_before_stop: list[str] = field(default_factory=list)

@@ -329,6 +329,9 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         tb = (recorded.traceback or "").rstrip().splitlines()
         details.append((f"traceback rank {root.rank} recorded in torch's error file (last lines)",
                         [escape_untrusted(line, 2000) for line in tb[-TRACEBACK_TAIL_LINES:]]))
+    elif root.returncode < 0 and root.finished_script:
+        what = (f"rank {root.rank} finished its script, then was killed by "
+                f"{describe_exit(root.returncode)} as its interpreter exited")
     elif root.returncode < 0:
         what = f"rank {root.rank} was killed by {describe_exit(root.returncode)}"
     else:
@@ -349,11 +352,14 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
     # its exception is the failure, not the signal.
     raised_then_killed = bool(err) and root.killed_by_launcher
     name = signal_name(-root.returncode) if root.returncode < 0 else None
-    # An uncaught exception first (the bootstrap recorded it), then a native signal: the rank
-    # died while the interpreter went down (a gloo or NCCL thread of a process group nobody
-    # destroyed calls std::terminate: "terminate called without an active exception"). The
-    # exception is the failure; the signal is how the exit went, as torchrun's rank would end.
-    raised_then_crashed = bool(err) and name in _NATIVE_SIGNALS and not raised_then_killed
+    # The script had ended, by an uncaught exception (the bootstrap recorded it) or by
+    # returning (its FINISHED phase), then a native signal: the rank died while the
+    # interpreter went down (a gloo or NCCL thread of a process group or DDP model still alive
+    # calls std::terminate: "terminate called without an active exception"). After an
+    # exception, the exception is the failure; after a return, the crash at exit is, named so.
+    at_exit = name in _NATIVE_SIGNALS and not raised_then_killed \
+        and (bool(err) or root.finished_script)
+    raised_then_crashed = at_exit and bool(err)
     if raised_then_crashed and diag is not None and diag.code == "RANK_NATIVE_CRASH":
         diag = None  # what explain read is the abort at exit ("Fatal Python error: Aborted")
     if diag is not None and not (name in _NATIVE_SIGNALS and diag.code == "RANK_FAILED"
@@ -361,6 +367,12 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         code, why, fix = diag.code, diag.why, diag.fix
     elif name in _NATIVE_SIGNALS and not raised_then_killed and not raised_then_crashed:
         code = "RANK_NATIVE_CRASH"  # its own native code ended it; the Python stack is below
+    if at_exit and not err and (diag is None or diag.code == "RANK_NATIVE_CRASH"):
+        why = ("the script had returned: native threads still running while the "
+                      "interpreter shut down crashed it (torch's gloo or NCCL threads of a "
+                      "process group or DDP model not freed before the end)")
+        fix = ("call torch.distributed.destroy_process_group() after dropping the DDP "
+                      "model, before the script returns; the rank's work itself had finished")
     if name is not None and not raised_then_killed and not raised_then_crashed:
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
         why = why or sig_why

@@ -465,7 +465,8 @@ class Supervisor:
                 killed_by_launcher=self._killed and code == -signal.SIGKILL,
                 error=read_json_object(r.spec.files.error),
                 fatal_dump=read_fatal_dump(r.spec.files.fatal),
-                stderr_before_stop=r.tail_at_stop)
+                stderr_before_stop=r.tail_at_stop,
+                finished_script=code < 0 and _phase(r) is Phase.FINISHED)
             if code != 0:
                 r.exit.torch_error = read_torch_error(r.spec.env.get("TORCHELASTIC_ERROR_FILE", ""))
                 # Lines still in the pipe belong in the report's tail.
@@ -631,6 +632,11 @@ class Supervisor:
 
 def _source_line(path: str, lineno: int) -> str:
     return linecache.getline(path, lineno)
+
+
+def _phase(r: _Rank) -> Phase | None:
+    st = _safe_status(r)
+    return st.phase if st is not None else None
 
 
 def _safe_status(r: _Rank) -> RankStatus | None:
