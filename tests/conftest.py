@@ -47,17 +47,38 @@ from gpuwarden.inventory import real_gpu_present
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 EXAMPLE_SCENARIO = Path(__file__).resolve().parents[2] / "shared" / "scenarios" / "example.json"
+_RUN_ROOT = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # No test (nor a process a test starts) may touch the host's real lease directory:
-    # a developer's running jobs would block tests, and tests would block the jobs.
     import tempfile
 
-    os.environ["GPUWARDEN_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpuwarden-test-leases-")
+    # One directory for everything this run writes outside pytest's tmp_path, removed at the
+    # end: the processes tests start get it as their TMPDIR, so what they cannot remove
+    # themselves goes with it (the run directory of a launcher a test killed, torch's
+    # torchelastic_* trees, a Dask worker's space); 1,200 such directories had piled up in
+    # /tmp over a day of runs. An xdist worker nests its own inside the controller's.
+    root = tempfile.mkdtemp(prefix="gwtest-")
+    config.stash[_RUN_ROOT] = root
+    os.chmod(root, 0o755)  # tests run gpuwarden as another user too
+    scratch = os.path.join(root, "tmp")
+    os.mkdir(scratch)
+    os.chmod(scratch, 0o1777)  # as /tmp
+    os.environ["TMPDIR"] = scratch
+    # No test (nor a process a test starts) may touch the host's real lease directory:
+    # a developer's running jobs would block tests, and tests would block the jobs.
+    os.environ["GPUWARDEN_LEASE_DIR"] = tempfile.mkdtemp(prefix="leases-", dir=root)
     # Nor the host's job registry: launches started by tests register their control endpoint
     # here (0700, this run's own), so `status`/`stacks` in tests see only this run's jobs.
-    os.environ["GPUWARDEN_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="gpuwarden-test-run-")
+    os.environ["GPUWARDEN_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="run-", dir=root)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    root = config.stash.get(_RUN_ROOT, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # Groups whose chain of tests is the longest (minutes): started before anything else, so the
