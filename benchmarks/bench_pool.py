@@ -83,20 +83,8 @@ def cuda_section(args: argparse.Namespace) -> int:
     from gpuwarden.pool import GPUPool
 
     n, tasks = args.n_jobs, args.tasks
-    print(f"CUDA in {n} workers on GPU 0, {tasks} tasks, median of {args.repeat}")
-    rows: dict[str, dict[str, float]] = {"loky": {}, "GPUPool": {}}
-
-    def measure(name: str, submit: Callable[..., Any]) -> None:
-        t0 = time.perf_counter()
-        for f in [submit(cuda_matmul, i) for i in range(n)]:
-            f.result()
-        rows[name]["cold"] = time.perf_counter() - t0
-        rows[name]["matmul"] = median(
-            lambda: [f.result() for f in [submit(cuda_matmul, i) for i in range(tasks)]],
-            args.repeat) / tasks
-        rows[name]["tensor"] = median(
-            lambda: [f.result() for f in [submit(cuda_tensor, i) for i in range(tasks // 4)]],
-            args.repeat) / (tasks // 4)
+    print(f"CUDA in {n} workers on GPU 0, {tasks} tasks, median of {args.repeat}, "
+          "the two sides alternating")
 
     # torch is imported here before either is measured: the first tensor result unpickled in
     # this process imports it (1-2 s, more on a loaded box), and whichever side came first
@@ -105,19 +93,58 @@ def cuda_section(args: argparse.Namespace) -> int:
     # 3.3 ms against 19 ms.) Importing torch does not initialize CUDA.
     import torch
 
-    # GPUPool first: loky's CUDA results initialize CUDA in this process, which must not
-    # colour the other measurement.
     # wait: a job that just ended may still hold its lease for a moment (the first real-GPU
     # run started this right after a launcher was stopped, and was refused).
-    with GPUPool(gpus=1, workers_per_gpu=n, allow_shared=True, preload=("torch",),
-                 wait="60s") as pool:
-        measure("GPUPool", pool.submit)
-        device = pool.submit(cuda_tensor, 1).result().device.type
+    def gpupool() -> Any:
+        return GPUPool(gpus=1, workers_per_gpu=n, allow_shared=True, preload=("torch",),
+                       wait="60s")
+
+    def loky() -> Any:
+        return get_reusable_executor(max_workers=n, reuse=False)
+
+    def first_from_every_worker(pool: Any) -> float:
+        t0 = time.perf_counter()
+        for f in [pool.submit(cuda_matmul, i) for i in range(n)]:
+            f.result()
+        return time.perf_counter() - t0
+
+    def batch(pool: Any, fn: Callable[[int], Any], count: int) -> float:
+        t0 = time.perf_counter()
+        for f in [pool.submit(fn, i) for i in range(count)]:
+            f.result()
+        return (time.perf_counter() - t0) / count
+
+    # Each side measured in turn, repetition by repetition (runs 1-4 measured GPUPool's rows
+    # first, then loky's: the card's clocks and the box's load differ between the halves and
+    # put 0.72x, then 1.01-1.17x on the same code). Cold starts: a new pool each time.
+    cold: dict[str, list[float]] = {"GPUPool": [], "loky": []}
+    for _ in range(args.repeat):
+        for name, make in (("GPUPool", gpupool), ("loky", loky)):
+            t0 = time.perf_counter()
+            pool = make()
+            first_from_every_worker(pool)
+            cold[name].append(time.perf_counter() - t0)
+            pool.shutdown(wait=True)
+    # Warm: both pools kept, the small matmul alternating.
+    pools = {"GPUPool": gpupool(), "loky": loky()}
+    matmul: dict[str, list[float]] = {"GPUPool": [], "loky": []}
+    for pool in pools.values():
+        batch(pool, cuda_matmul, tasks)  # warm-up: contexts, kernels, clocks
+    for _ in range(args.repeat):
+        for name, pool in pools.items():
+            matmul[name].append(batch(pool, cuda_matmul, tasks))
+    # CUDA tensors back: GPUPool's first, since loky's make this process create a context.
+    tensor = {"GPUPool": [batch(pools["GPUPool"], cuda_tensor, tasks // 4)
+                          for _ in range(args.repeat)]}
+    device = pools["GPUPool"].submit(cuda_tensor, 1).result().device.type
     pool_parent_cuda = torch.cuda.is_initialized()
-    loky = get_reusable_executor(max_workers=n, reuse=False)
-    measure("loky", loky.submit)
-    loky.shutdown(wait=True)
+    tensor["loky"] = [batch(pools["loky"], cuda_tensor, tasks // 4) for _ in range(args.repeat)]
     loky_parent_cuda = torch.cuda.is_initialized()
+    for pool in pools.values():
+        pool.shutdown(wait=True)
+
+    rows = {name: {"cold": statistics.median(cold[name]), "matmul": statistics.median(matmul[name]),
+                   "tensor": statistics.median(tensor[name])} for name in ("loky", "GPUPool")}
     print(f"{'':12} {'cold start':>12} {'matmul/task':>13} {'1 MiB CUDA tensor back/task':>29}")
     for name, r in rows.items():
         print(f"{name:12} {r['cold'] * 1e3:9.0f} ms {r['matmul'] * 1e6:10.0f} us "
@@ -125,6 +152,11 @@ def cuda_section(args: argparse.Namespace) -> int:
     lo, gp = rows["loky"], rows["GPUPool"]
     print(f"GPUPool / loky: cold {gp['cold'] / lo['cold']:.2f}x, matmul {gp['matmul'] / lo['matmul']:.2f}x, "
           f"tensor back {gp['tensor'] / lo['tensor']:.2f}x")
+    print("each repetition (ms; us per task): cold GPUPool "
+          + " ".join(f"{t * 1e3:.0f}" for t in cold["GPUPool"]) + ", loky "
+          + " ".join(f"{t * 1e3:.0f}" for t in cold["loky"]) + "; matmul GPUPool "
+          + " ".join(f"{t * 1e6:.0f}" for t in matmul["GPUPool"]) + ", loky "
+          + " ".join(f"{t * 1e6:.0f}" for t in matmul["loky"]))
     print(f"CUDA initialized in this process: after GPUPool {pool_parent_cuda}, after loky "
           f"{loky_parent_cuda}; GPUPool's CUDA tensors arrive on: {device}")
     return 0
