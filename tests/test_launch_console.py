@@ -129,6 +129,73 @@ def test_each_rank_s_redrawn_bar_leaves_one_line(nproc: int, env: dict[str, str]
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("no_leftover_processes")
+def test_a_resize_reaches_the_ranks_and_the_bars_end_drawn_at_the_new_width(
+        env: dict[str, str], tmp_path: Path) -> None:
+    """The terminal is made narrower (120 -> 70 columns) while 2 ranks' bars stand half way, as
+    a user drags a window: the kernel's SIGWINCH reaches the launcher (the terminal is its
+    controlling one, as a shell's job), each rank's terminal takes the new width less the
+    prefix (the rank waits for that before going on), and the bars end one line each, drawn
+    at the new width, with no piece of a wider state left above them."""
+    narrow, steps = 70, 40
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
+
+    def take_the_terminal() -> None:  # after setsid (start_new_session): the shell's job
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([GPUWARDEN, "launch", "--cpu", "-n", "2", SCRIPT, "resize",
+                             str(tmp_path), str(steps)], stdin=slave, stdout=slave,
+                            stderr=slave, env=env, cwd=tmp_path, start_new_session=True,
+                            preexec_fn=take_the_terminal)
+    os.close(slave)
+    s = pyte.Screen(COLUMNS, ROWS)
+    stream = pyte.ByteStream(s)
+    half = f"{steps // 2}/{steps}"
+    resized = False
+    deadline = time.monotonic() + 150
+    try:
+        while True:
+            assert time.monotonic() < deadline, "\n".join(line.rstrip() for line in s.display)
+            if not resized and all(any(f"rank {r}:" in line and half in line for line in s.display)
+                                   for r in range(2)):
+                # Both bars are drawn half way and their ranks wait: nothing is written now
+                # until the width changes, so the screen and the terminal change it together.
+                fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, narrow, 0, 0))
+                s.resize(ROWS, narrow)
+                resized = True
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every holder of the terminal's other end has exited
+                break
+            if not data:
+                break
+            stream.feed(data)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    lines = [line.rstrip() for line in s.display if line.strip()]
+    assert resized and code == 0, "\n".join(lines)
+    for rank in range(2):
+        bars = bar_lines(lines, rank)
+        assert len(bars) == 1, "\n".join(lines)
+        assert bars[0].startswith(f"[rank{rank}]: rank {rank}: 100%|"), "\n".join(lines)
+        assert f"{steps}/{steps}" in bars[0], "\n".join(lines)
+    # each rank's width is the terminal's less the room its prefix takes, before and after
+    said = [(ranks_of(line), COLUMNS - int(m[1]), narrow - int(m[2])) for line in lines
+            if (m := re.search(r"\]: columns (\d+) -> (\d+)$", line))]
+    assert sorted(r for ranks, _, _ in said for r in ranks) == [0, 1], "\n".join(lines)
+    assert all(0 < room == after < 20 for _, room, after in said), said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize(("mode", "final"), [
     ("rich", r"rank {r} ━+ 100% 0:00:00"),
     ("keras", r"30/30 \[=+\] - loss: 0\.5")])

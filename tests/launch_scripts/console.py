@@ -8,6 +8,9 @@
     console.py traceback DIR RANK     the others print "step 1", then RANK raises among them
     console.py mixed                  a few lines, a bar, an unfinished last line (piped output)
     console.py prompt                 rank 1 writes "name? " and waits for a line on stdin
+    console.py resize DIR STEPS       a tqdm bar (dynamic width) that stops half way (DIR/half.<rank>)
+                                      until its terminal's width changes, then ends; then
+                                      "columns BEFORE -> AFTER"
 
 The barrier is files: each rank writes DIR/ready.<rank> and waits (1 ms polls) until every rank
 of the world has; so the ranks print their line within milliseconds of each other.
@@ -87,5 +90,22 @@ elif mode == "prompt":
         sys.stdout.write("name? ")
         sys.stdout.flush()
         print(f"hello {sys.stdin.readline().strip()}")
+elif mode == "resize":
+    from tqdm import tqdm
+
+    directory, steps = sys.argv[2], int(sys.argv[3])
+    before = os.get_terminal_size(2).columns
+    bar = tqdm(range(steps), desc=f"rank {RANK}", mininterval=0, miniters=1, dynamic_ncols=True)
+    for i in bar:
+        if i == steps // 2:
+            open(os.path.join(directory, f"half.{RANK}"), "w").close()
+            deadline = time.monotonic() + 120
+            while os.get_terminal_size(2).columns == before:  # the launcher passes it on
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"rank {RANK}: the terminal's width never changed")
+                time.sleep(0.005)
+        time.sleep(0.01)
+    bar.close()
+    print(f"columns {before} -> {os.get_terminal_size(2).columns}", flush=True)
 else:
     raise SystemExit(f"unknown mode {mode}")
