@@ -20,17 +20,26 @@ heads are the same line:
 - **some rank has said nothing yet, or is behind** (its next line is one these ranks said
   already): the line waits for it, at most ``window_s``, then leaves with the ranks that said
   it; meanwhile the ranks ahead are not read (:meth:`accepts`), so the one behind catches up;
-- otherwise (every other rank has a different line next) it leaves at once with its ranks.
+- otherwise (every other rank has a different line next) it leaves at once with its ranks. A
+  line no other rank has takes along the lines after it that have no twin either among the
+  other ranks' next lines (a *run*, found with C-level splits and set operations, not line by
+  line: ranks that each print lines of their own cost about what one rank does).
+
+Lines that leave without every rank are remembered per stream, to tell a rank behind: the
+latest :data:`RECENT_LINES` to twice that with two ranks, fewer each with more (about as many
+in all), as sets (one C-level update per run).
 
 **Order.** A rank's lines leave in the order the relay read them, its two streams together: a
-head leaves only after every older line of the same rank, and a run of common lines stops
-before a line of the other stream that came in between. A line waits at most ``window_s`` after
-the relay read it (the oldest line is always the first to be due), plus the time until the next
-:meth:`take` (the supervisor's loop wakes at :meth:`next_due`). A queue holds at most about
-``queue_bytes`` (:meth:`accepts`): the relay stops reading a stream whose lines wait, as a
-terminal's flow control would, so memory stays bounded, and ranks that print the same lines as
-fast as they can come back into step (a rank that started 100 ms later is caught up, not shown
-a second time forever).
+head leaves only after every older line of the same rank, and a run (of common lines, or of a
+rank's own) stops before a line of the other stream that came in between; a rank's own run also
+stops before what it wrote after another rank's next line (the screen keeps the order the relay
+read the ranks in, where no line waits). A line waits at most ``window_s`` after the relay read
+it (the oldest line is always the first to be due), plus the time until the next :meth:`take`
+(the supervisor's loop wakes at :meth:`next_due`). A queue holds at most about ``queue_bytes``
+(:meth:`accepts`): the relay stops reading a stream whose lines wait, as a terminal's flow
+control would, so memory stays bounded, and ranks that print the same lines as fast as they can
+come back into step (a rank that started 100 ms later is caught up, not shown a second time
+forever).
 
 **A traceback is a rank's own.** From a line that starts one (``Traceback (most recent call
 last):``, a fatal-signal dump, a ``SyntaxError``'s ``  File``) until its stream has been quiet
@@ -53,7 +62,9 @@ QUEUE_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 64 * 1024
 ALL_QUEUES_BYTES = 64 << 20
 LOOKAHEAD_BYTES = 2048  # how far into a rank's queue a line is looked for (a few lines)
-RECENT_LINES = 16384  # lines said without every rank, remembered to tell a rank behind
+RECENT_LINES = 16384  # lines a stream said without every rank, remembered to tell a rank behind
+MIN_RECENT_LINES = 512  # ... (fewer each with many streams, at least this many)
+RUN_BYTES = 256 * 1024  # the most of a stream's lines without a twin that leave in one piece
 LABEL_CHARS = 40  # a longer rank set is cut: "[rank0,2,4,...,62 (32 ranks)]"
 
 # The start of what Python (or faulthandler) prints when something fails, at a line's start.
@@ -62,8 +73,16 @@ _TRACEBACK_START = re.compile(
     rb"Current thread 0x|Thread 0x|  File \")", re.MULTILINE)
 
 
+# Pieces of those starts, looked for first (C-level ``in``, many times faster than the regex,
+# which tries its alternatives at every line of every block the view is fed)
+_TRACEBACK_MARKS = (b"Traceback (", b"Fatal Python error: ", b"Exception in thread ", b"hread 0x",
+                    b'  File "')
+
+
 def traceback_start(block: bytes) -> int | None:
     """The offset in ``block`` of the first line that starts a traceback, None when none does."""
+    if not any(map(block.__contains__, _TRACEBACK_MARKS)):
+        return None
     found = _TRACEBACK_START.search(block)
     return None if found is None else found.start()
 
@@ -73,7 +92,7 @@ class _Queue:
 
     __slots__ = ("rank", "is_err", "bit", "buf", "base", "chunks", "tokens", "solo",
                  "solo_bytes", "solo_first", "solo_order", "solo_until", "solo_tokens", "closed", "ahead",
-                 "other")
+                 "other", "said", "said_before", "said_bytes")
 
     def __init__(self, rank: int, is_err: bool) -> None:
         self.rank = rank
@@ -96,6 +115,11 @@ class _Queue:
         self.closed = False
         self.ahead = False  # its next line waits for ranks behind it: not read meanwhile
         self.other: _Queue | None = None  # the rank's other stream
+        # the lines it said lately without every rank (without their newline), newest first:
+        # a rank whose next line is one of them is behind it
+        self.said: set[bytes] = set()
+        self.said_before: set[bytes] = set()
+        self.said_bytes = 0
 
     def head_time(self) -> float:
         return self.chunks[0][1] if self.buf else self.solo_first
@@ -105,6 +129,10 @@ class _Queue:
 
     def busy(self) -> bool:
         return bool(self.buf) or self.solo is not None
+
+    def head(self) -> bytes:
+        """Its next line, with its newline (buf is not empty)."""
+        return bytes(self.buf[:self.buf.index(b"\n") + 1])
 
     def blocked(self) -> bool:
         """An older line of the same rank waits on its other stream: this one waits too."""
@@ -119,6 +147,31 @@ class _Queue:
                 return start - self.base
             start = end
         return len(self.buf)
+
+    def due(self, now: float, window_s: float) -> int:
+        """How many bytes of buf have waited ``window_s`` at ``now`` (whole lines)."""
+        start = self.base
+        for end, at, _ in self.chunks:
+            if at + window_s > now:  # as Collapser.next_due computes it
+                break
+            start = end
+        return start - self.base
+
+    def remember(self, lines: list[bytes], size: int, most_lines: int, most_bytes: int) -> None:
+        """``lines`` (without their newlines, ``size`` bytes with them) left without every
+        rank: kept a while (two generations, each at most ``most_lines`` and ``most_bytes``),
+        one C-level set update per run."""
+        said = self.said
+        said.update(lines)
+        self.said_bytes += size
+        if len(said) >= most_lines or self.said_bytes >= most_bytes:
+            self.said_before, self.said = said, set()
+            self.said_bytes = 0
+
+    def said_lately(self, line: bytes) -> bool:
+        """Whether it said ``line`` (with its newline) lately without every rank."""
+        text = line[:-1]
+        return text in self.said or text in self.said_before
 
     def advance(self, n: int, dropped: list[object]) -> None:
         del self.buf[:n]
@@ -147,10 +200,8 @@ class Collapser:
         self._expected = [0, 0]  # the ranks whose stdout / stderr is open
         self._arrivals = 0
         self.dropped: list[object] = []  # tokens of lines that left (the caller's marks)
-        # lines that left without every rank -> the ranks that said them (the latest few)
-        self._recent: tuple[dict[bytes, int], dict[bytes, int]] = ({}, {})
-        self._recent_order: tuple[collections.deque[bytes], collections.deque[bytes]] = (
-            collections.deque(), collections.deque())
+        self.recent_lines = RECENT_LINES  # what a stream remembers of its lines said without
+        self.recent_bytes = queue_bytes // 2  # every rank, per generation (_Queue.remember)
         self.max_wait_s = 0.0  # the longest a line waited here (measured, for the docs)
 
     # ---- streams ---------------------------------------------------------------------------
@@ -161,9 +212,12 @@ class Collapser:
         if other is not None:
             q.other, other.other = other, q
         self._expected[is_err] |= q.bit
-        # many streams: less each, ALL_QUEUES_BYTES in all
+        # many streams: less each, ALL_QUEUES_BYTES in all (and about as much remembered)
         self.queue_bytes = max(MIN_QUEUE_BYTES, min(self.queue_bytes,
                                                     ALL_QUEUES_BYTES // len(self._queues)))
+        self.recent_bytes = self.queue_bytes // 2
+        self.recent_lines = max(MIN_RECENT_LINES, min(RECENT_LINES,
+                                                      4 * RECENT_LINES // len(self._queues)))
 
     def close(self, rank: int, is_err: bool) -> None:
         """The stream ended: nothing waits for it any more; its traceback may leave."""
@@ -256,7 +310,7 @@ class Collapser:
             return True
         is_err = first.is_err
         lane = [q for q in self._busy.values() if q.is_err == is_err and q.buf]
-        line = bytes(first.buf[:first.buf.index(b"\n") + 1])
+        line = first.head()
         same = [q for q in lane if q.buf.startswith(line) and (q is first or not q.blocked())]
         if due and not nested:
             # a rank with this line too, held back by an older line of its other stream that is
@@ -275,35 +329,13 @@ class Collapser:
                  and q.buf.find(needle, 0, LOOKAHEAD_BYTES) >= 0]
         if later:
             q = min(later, key=_Queue.head_order)
-            head = bytes(q.buf[:q.buf.index(b"\n") + 1])
-            self._say(out, [p for p in lane if p.buf.startswith(head)
-                            and (p is q or not p.blocked())], head, now)
+            head = q.head()
+            ranks = [p for p in lane if p.buf.startswith(head) and (p is q or not p.blocked())]
+            self._go(out, q, ranks, lane, head, now, None)
             return True
         expected = self._expected[is_err]
-        if not due:
-            # wait for the ranks that said nothing yet, and for those behind: their next line
-            # is one these ranks said already, so they may well say this one next; while it
-            # waits for those, the ranks ahead are not read (they catch up meanwhile)
-            waiting = expected & ~mask
-            behind = False
-            recent = self._recent[is_err]
-            for q in lane:
-                if waiting & q.bit:
-                    head = bytes(q.buf[:q.buf.index(b"\n") + 1])
-                    if head == line:
-                        continue  # the same line, held back by its rank's other stream
-                    if recent.get(head, 0) & mask:
-                        behind = True  # these ranks said its next line already
-                    else:
-                        waiting &= ~q.bit  # its next line is another: it has moved past
-            for q in self._busy.values():
-                if q.is_err == is_err and not q.buf:
-                    waiting &= ~q.bit  # in a traceback
-            if waiting:
-                if behind:
-                    for q in same:
-                        q.ahead = True
-                return False
+        if not due and self._holds(first, lane, line, same, expected & ~mask):
+            return False
         if not expected & ~mask and len(same) > 1:
             # ranks in step: everything they have in common, up to a line of their other
             # stream that came in between
@@ -315,20 +347,90 @@ class Collapser:
                     limit = min(limit, q.before(other.head_order()))
             if limit < len(lines):
                 lines = lines[:max(lines.rfind(b"\n", 0, limit) + 1, len(line))]
-            line = lines
-        elif expected & ~mask:
-            self._remember(is_err, line, mask)
-        self._say(out, same, line, now)
+            self._say(out, same, lines, now)
+            return True
+        # a line due leaves with the lines after it that are due too: the others may still wait
+        self._go(out, first, same, lane, line, now, now if due and not everything else None)
         return True
 
-    def _remember(self, is_err: bool, line: bytes, mask: int) -> None:
-        """A line that left without every rank: a rank that says it later is behind."""
-        recent, order = self._recent[is_err], self._recent_order[is_err]
-        if line not in recent:
-            order.append(line)
-            if len(order) > RECENT_LINES:
-                recent.pop(order.popleft(), None)
-        recent[line] = recent.get(line, 0) | mask
+    def _holds(self, first: _Queue, lane: list[_Queue], line: bytes, same: list[_Queue],
+               others: int) -> bool:
+        """Whether ``first``'s head (``line``, which the ranks of ``same`` have next) waits for
+        ``others``, the ranks without it that may say it next: those that said nothing yet,
+        those with the line held back by their other stream, and those behind (their next line
+        is one these ranks said already), while which the ranks ahead are not read (they catch
+        up meanwhile)."""
+        silent = others
+        held = behind = False
+        for q in lane:
+            if others & q.bit:
+                silent &= ~q.bit
+                head = q.head()
+                if head == line:
+                    held = True  # the same line, held back by its rank's other stream
+                elif any(p.said_lately(head) for p in same):
+                    behind = True  # these ranks said its next line already
+                # else: its next line is another, it has moved past
+        for q in self._busy.values():
+            if q.is_err == first.is_err and not q.buf:
+                silent &= ~q.bit  # in a traceback
+        if behind:
+            for q in same:
+                q.ahead = True
+        return held or behind or bool(silent)
+
+    def _go(self, out: list[tuple[bool, int, bytes]], first: _Queue, same: list[_Queue],
+            lane: list[_Queue], line: bytes, now: float, due_at: float | None) -> None:
+        """``line``, ``first``'s next, leaves with the ranks of ``same``; a line without a
+        twin takes the lines of its rank that follow it along (:meth:`_run`)."""
+        if len(same) == 1:
+            line, texts = self._run(first, lane, line, due_at)
+        else:
+            texts = [line[:-1]]
+        if self._expected[first.is_err] & ~sum(q.bit for q in same):
+            # a rank that says these lines later is behind (_holds)
+            for q in same:
+                q.remember(texts, len(line), self.recent_lines, self.recent_bytes)
+        self._say(out, same, line, now)
+
+    def _run(self, q: _Queue, lane: list[_Queue], line: bytes,
+             due_at: float | None) -> tuple[bytes, list[bytes]]:
+        """``line``, ``q``'s next, has no twin: with it go the lines of ``q`` after it that
+        have none either among the next lines of the other ranks (as :meth:`_leaves` looks
+        for one), read before the next line of every other rank that is after it (the screen
+        keeps the order the relay read the ranks in) and of its other stream, and (``due_at``
+        given) those due then; at most :data:`RUN_BYTES`, found with C-level splits and set
+        operations, not line by line. Returns them, and them split (without newlines)."""
+        buf = q.buf
+        end = min(len(buf), RUN_BYTES)
+        order = q.head_order()
+        for p in lane:
+            if p is not q and p.head_order() > order:
+                end = min(end, q.before(p.head_order()))
+        other = q.other
+        if other is not None and other.busy():
+            end = min(end, q.before(other.head_order()))
+        if due_at is not None:
+            end = min(end, q.due(due_at, self.window_s))
+        end = buf.rfind(b"\n", 0, end) + 1
+        if end <= len(line):
+            return line, [line[:-1]]
+        run = bytes(buf[:end])
+        lines = run[:-1].split(b"\n")
+        twins: set[bytes] = set()
+        for p in lane:
+            if p is not q:
+                twins.add(p.head()[:-1])
+                ahead = bytes(p.buf[:LOOKAHEAD_BYTES]).split(b"\n")
+                ahead.pop()  # cut by the bound (or empty): not a line
+                twins.update(ahead)
+        if not twins.isdisjoint(lines):
+            for n in range(1, len(lines)):
+                if lines[n] in twins:
+                    del lines[n:]
+                    run = b"\n".join(lines) + b"\n"
+                    break
+        return run, lines
 
     def _say(self, out: list[tuple[bool, int, bytes]], same: list[_Queue], lines: bytes,
              now: float) -> None:
