@@ -237,6 +237,55 @@ def test_lines_of_each_rank_s_own_leave_in_runs_in_the_order_read() -> None:
     assert [mask for _, _, mask, _ in d.out] == [0b01, 0b10] * 20
 
 
+def _rows(rank: int, start: int, n: int) -> bytes:
+    return b"".join(b"rank %d row %06d loss 0.1234 lr 3e-4\n" % (rank, i)
+                    for i in range(start, start + n))
+
+
+def test_a_rank_flooding_lines_of_its_own_is_not_paused_for_a_silent_rank() -> None:
+    """Rank 0 writes lines no other rank says faster than a queue per window (36 MB/s) while
+    rank 1 says nothing: after its first window its lines stop waiting for rank 1, so the relay
+    reads it whenever it has something and each line leaves as it is read; its first line
+    shared with rank 1 makes its lines wait for rank 1 again."""
+    d = Driver(2)
+    refused = []  # when the relay could not read rank 0 (its queue full of waiting lines)
+    written = 0
+    while d.now < 0.3:
+        if d.c.accepts(0, False):
+            d.add(0, _rows(0, written, 1000))
+            written += 1000
+        else:
+            refused.append(d.now)
+        d.advance(d.now + 0.001)
+    assert refused and max(refused) < 2 * WINDOW  # paused in its first window only
+    shown = d.said_by(0)
+    assert len(shown) == written
+    late = [(when, read) for (when, _), read in zip(shown, d.read_at[0, False], strict=True)
+            if read >= 2 * WINDOW]
+    assert late and all(when == read for when, read in late)  # none waited
+    # a line both ranks say: said once, and rank 0's lines wait for rank 1 again
+    d.add(1, b"epoch 1 done\n")
+    d.add(0, b"epoch 1 done\n")
+    assert d.screen()[-1] == "[rank0-1]: epoch 1 done"
+    d.add(0, b"rank 0: saved\n")
+    assert d.screen()[-1] == "[rank0-1]: epoch 1 done"
+    d.advance(d.now + 1)
+    assert d.out[-1][0] == pytest.approx(d.read_at[0, False][-1] + WINDOW)
+
+
+def test_a_rank_printing_its_own_lines_at_a_readable_pace_never_floods() -> None:
+    """Thousands of lines no other rank says, but slower than a queue per window: each still
+    waits the window for the silent rank (where it may say the same), as the first did."""
+    d = Driver(2)
+    for n in range(200):
+        d.add(0, _rows(0, n * 20, 20))
+        d.advance(d.now + 0.001)
+    d.advance(d.now + 1)
+    waits = [when - read for (when, _), read in zip(d.said_by(0), d.read_at[0, False],
+                                                    strict=True)]
+    assert len(waits) == 4000 and min(waits) >= WINDOW - 1e-9
+
+
 def test_a_rank_stalled_for_thousands_of_lines_is_caught_up() -> None:
     """Two ranks print lines of their own, then the same lines; rank 1 stalls while rank 0
     says RECENT_LINES lines alone (slower than a queue per window: rank 0 does not flood).

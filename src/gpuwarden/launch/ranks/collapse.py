@@ -19,7 +19,8 @@ heads are the same line:
   head goes first, so the line can still be said once;
 - **some rank has said nothing yet, or is behind** (its next line is one these ranks said
   already): the line waits for it, at most ``window_s``, then leaves with the ranks that said
-  it; meanwhile the ranks ahead are not read (:meth:`accepts`), so the one behind catches up;
+  it; meanwhile the ranks ahead are not read (:meth:`accepts`), so the one behind catches up
+  (a stream that *floods*, below, does not wait for a rank that said nothing yet);
 - otherwise (every other rank has a different line next) it leaves at once with its ranks. A
   line no other rank has takes along the lines after it that have no twin either among the
   other ranks' next lines (a *run*, found with C-level splits and set operations, not line by
@@ -28,6 +29,13 @@ heads are the same line:
 Lines that leave without every rank are remembered per stream, to tell a rank behind: the
 latest :data:`RECENT_LINES` to twice that with two ranks, fewer each with more (about as many
 in all), as sets (one C-level update per run).
+
+**Floods.** A stream whose last :data:`FLOOD_LINES` lines all left without a twin, and whose
+queue is full (its rank would be paused for room), floods: its lines stop waiting for ranks that
+said nothing yet, so its rank writes at its own pace instead of a queue per window. It still
+shares a line that another rank has queued, and still waits for a rank behind it; from its first
+line said with another rank, or a rank found behind it, its lines wait again. A rank writing
+slower than a queue per window (any rate a person reads, or 20 MB/s) never floods.
 
 **Order.** A rank's lines leave in the order the relay read them, its two streams together: a
 head leaves only after every older line of the same rank, and a run (of common lines, or of a
@@ -39,7 +47,7 @@ it (the oldest line is always the first to be due), plus the time until the next
 (:meth:`accepts`): the relay stops reading a stream whose lines wait, as a terminal's flow
 control would, so memory stays bounded, and ranks that print the same lines as fast as they can
 come back into step (a rank that started 100 ms later is caught up, not shown a second time
-forever).
+forever, unless the rank ahead floods: more than a queue per window of lines no rank said).
 
 **A traceback is a rank's own.** From a line that starts one (``Traceback (most recent call
 last):``, a fatal-signal dump, a ``SyntaxError``'s ``  File``) until its stream has been quiet
@@ -57,7 +65,8 @@ from collections.abc import Iterable
 from gpuwarden.units import rank_runs
 
 # A stream's pending bytes before the relay stops reading it: large enough that a rank whose
-# lines wait for silent ranks is not slowed (1 MiB per window is 20 MB/s), bounded for all ranks.
+# lines wait for silent ranks is not slowed (1 MiB per window is 20 MB/s; faster, it floods),
+# bounded for all ranks.
 QUEUE_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 64 * 1024
 ALL_QUEUES_BYTES = 64 << 20
@@ -65,6 +74,10 @@ LOOKAHEAD_BYTES = 2048  # how far into a rank's queue a line is looked for (a fe
 RECENT_LINES = 16384  # lines a stream said without every rank, remembered to tell a rank behind
 MIN_RECENT_LINES = 512  # ... (fewer each with many streams, at least this many)
 RUN_BYTES = 256 * 1024  # the most of a stream's lines without a twin that leave in one piece
+# A stream whose last FLOOD_LINES lines found no twin, and whose queue is full of lines waiting
+# for ranks that said nothing yet, floods (a rank writing its own lines faster than a queue per
+# window): its lines stop waiting for silent ranks until one of them has a twin again.
+FLOOD_LINES = 1000
 LABEL_CHARS = 40  # a longer rank set is cut: "[rank0,2,4,...,62 (32 ranks)]"
 
 # The start of what Python (or faulthandler) prints when something fails, at a line's start.
@@ -92,7 +105,7 @@ class _Queue:
 
     __slots__ = ("rank", "is_err", "bit", "buf", "base", "chunks", "tokens", "solo",
                  "solo_bytes", "solo_first", "solo_order", "solo_until", "solo_tokens", "closed", "ahead",
-                 "other", "said", "said_before", "said_bytes")
+                 "other", "said", "said_before", "said_bytes", "streak", "flooding")
 
     def __init__(self, rank: int, is_err: bool) -> None:
         self.rank = rank
@@ -120,6 +133,8 @@ class _Queue:
         self.said: set[bytes] = set()
         self.said_before: set[bytes] = set()
         self.said_bytes = 0
+        self.streak = 0  # lines in a row that left without a twin
+        self.flooding = False  # its lines do not wait for silent ranks (FLOOD_LINES)
 
     def head_time(self) -> float:
         return self.chunks[0][1] if self.buf else self.solo_first
@@ -356,10 +371,10 @@ class Collapser:
     def _holds(self, first: _Queue, lane: list[_Queue], line: bytes, same: list[_Queue],
                others: int) -> bool:
         """Whether ``first``'s head (``line``, which the ranks of ``same`` have next) waits for
-        ``others``, the ranks without it that may say it next: those that said nothing yet,
-        those with the line held back by their other stream, and those behind (their next line
-        is one these ranks said already), while which the ranks ahead are not read (they catch
-        up meanwhile)."""
+        ``others``, the ranks without it that may say it next: those that said nothing yet
+        (unless ``first`` floods and has no twin), those with the line held back by their
+        other stream, and those behind (their next line is one these ranks said already),
+        while which the ranks ahead are not read (they catch up meanwhile)."""
         silent = others
         held = behind = False
         for q in lane:
@@ -377,7 +392,14 @@ class Collapser:
         if behind:
             for q in same:
                 q.ahead = True
-        return held or behind or bool(silent)
+                q.flooding = False  # its lines have twins after all, late ones
+            return True
+        if held or not silent or len(same) > 1:
+            return held or bool(silent)
+        if not first.flooding and first.streak >= FLOOD_LINES \
+                and len(first.buf) + first.solo_bytes >= self.queue_bytes:
+            first.flooding = True  # holding it would pause its rank: it would not catch up
+        return not first.flooding
 
     def _go(self, out: list[tuple[bool, int, bytes]], first: _Queue, same: list[_Queue],
             lane: list[_Queue], line: bytes, now: float, due_at: float | None) -> None:
@@ -442,6 +464,12 @@ class Collapser:
             q.ahead = False
             q.advance(n, self.dropped)
             self._settle(q, now, t0)
+        if len(same) == 1:
+            same[0].streak += lines.count(b"\n")
+        else:  # a twin: the ranks' lines are worth holding for one again
+            for q in same:
+                q.streak = 0
+                q.flooding = False
         out.append((same[0].is_err, mask, lines))
 
     def _settle(self, q: _Queue, now: float, t0: float) -> None:
