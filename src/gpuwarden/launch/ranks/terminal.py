@@ -211,11 +211,14 @@ class TerminalView:
         return self.collapser is None or self.collapser.accepts(s.rank, s.is_err)
 
     def feed(self, s: _Stream, data: bytes) -> None:
+        """What ``s`` wrote. Its complete lines are said at the next :meth:`tick` (the relay
+        ticks after each round of reads): the lines of every stream read in the round leave
+        in one look at the queues and one write, not one per stream."""
         now = self._clock()
         if s.shown:
             data = self._continue_open(s, data)
             if not data:
-                self._step(now)
+                self._step(now, say=False)
                 return
         last = data.rfind(b"\n")
         if last >= 0:
@@ -233,7 +236,7 @@ class TerminalView:
             s.partial += data
         if s.partial:
             self._unfinished(s, now)
-        self._step(now)
+        self._step(now, say=False)
 
     def finish(self, s: _Stream) -> None:
         """The stream ended: its unfinished line is a line; nothing waits for it any more."""
@@ -433,10 +436,10 @@ class TerminalView:
 
     # ---- the screen ------------------------------------------------------------------------
 
-    def _step(self, now: float) -> None:
-        """Everything due now, in one write: lines that leave the queue, prompts whose window
-        ended, the region drawn again."""
-        if self.collapser is not None:
+    def _step(self, now: float, say: bool = True) -> None:
+        """Everything due now, in one write: lines that leave the queue (unless not ``say``),
+        prompts whose window ended, the region drawn again."""
+        if self.collapser is not None and say:
             said = self.collapser.take(now)
             if said:
                 self._say(said)
