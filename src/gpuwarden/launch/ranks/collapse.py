@@ -26,9 +26,9 @@ heads are the same line:
   other ranks' next lines (a *run*, found with C-level splits and set operations, not line by
   line: ranks that each print lines of their own cost about what one rank does).
 
-Lines that leave without every rank are remembered per stream, to tell a rank behind: the
-latest :data:`RECENT_LINES` to twice that with two ranks, fewer each with more (about as many
-in all), as sets (one C-level update per run).
+Lines that leave without every rank are remembered with the ranks that said them, to tell a
+rank behind: the latest :data:`RECENT_LINES` of each lane to twice that, in two generations
+(one C-level dict update per run; a line said again is merged with what was said before).
 
 **Floods.** A stream whose last :data:`FLOOD_LINES` lines all left without a twin, and whose
 queue is full (its rank would be paused for room), floods: its lines stop waiting for ranks that
@@ -71,8 +71,8 @@ QUEUE_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 64 * 1024
 ALL_QUEUES_BYTES = 64 << 20
 LOOKAHEAD_BYTES = 2048  # how far into a rank's queue a line is looked for (a few lines)
-RECENT_LINES = 16384  # lines a stream said without every rank, remembered to tell a rank behind
-MIN_RECENT_LINES = 512  # ... (fewer each with many streams, at least this many)
+RECENT_LINES = 16384  # lines said without every rank, remembered to tell a rank behind ...
+RECENT_BYTES = 4 << 20  # ... (each of two generations of a lane at most that many or bytes)
 RUN_BYTES = 256 * 1024  # the most of a stream's lines without a twin that leave in one piece
 # A stream whose last FLOOD_LINES lines found no twin, and whose queue is full of lines waiting
 # for ranks that said nothing yet, floods (a rank writing its own lines faster than a queue per
@@ -105,7 +105,7 @@ class _Queue:
 
     __slots__ = ("rank", "is_err", "bit", "buf", "base", "chunks", "tokens", "solo",
                  "solo_bytes", "solo_first", "solo_order", "solo_until", "solo_tokens", "closed", "ahead",
-                 "other", "said", "said_before", "said_bytes", "streak", "flooding")
+                 "other", "streak", "flooding")
 
     def __init__(self, rank: int, is_err: bool) -> None:
         self.rank = rank
@@ -128,11 +128,6 @@ class _Queue:
         self.closed = False
         self.ahead = False  # its next line waits for ranks behind it: not read meanwhile
         self.other: _Queue | None = None  # the rank's other stream
-        # the lines it said lately without every rank (without their newline), newest first:
-        # a rank whose next line is one of them is behind it
-        self.said: set[bytes] = set()
-        self.said_before: set[bytes] = set()
-        self.said_bytes = 0
         self.streak = 0  # lines in a row that left without a twin
         self.flooding = False  # its lines do not wait for silent ranks (FLOOD_LINES)
 
@@ -172,22 +167,6 @@ class _Queue:
             start = end
         return start - self.base
 
-    def remember(self, lines: list[bytes], size: int, most_lines: int, most_bytes: int) -> None:
-        """``lines`` (without their newlines, ``size`` bytes with them) left without every
-        rank: kept a while (two generations, each at most ``most_lines`` and ``most_bytes``),
-        one C-level set update per run."""
-        said = self.said
-        said.update(lines)
-        self.said_bytes += size
-        if len(said) >= most_lines or self.said_bytes >= most_bytes:
-            self.said_before, self.said = said, set()
-            self.said_bytes = 0
-
-    def said_lately(self, line: bytes) -> bool:
-        """Whether it said ``line`` (with its newline) lately without every rank."""
-        text = line[:-1]
-        return text in self.said or text in self.said_before
-
     def advance(self, n: int, dropped: list[object]) -> None:
         del self.buf[:n]
         self.base += n
@@ -215,8 +194,11 @@ class Collapser:
         self._expected = [0, 0]  # the ranks whose stdout / stderr is open
         self._arrivals = 0
         self.dropped: list[object] = []  # tokens of lines that left (the caller's marks)
-        self.recent_lines = RECENT_LINES  # what a stream remembers of its lines said without
-        self.recent_bytes = queue_bytes // 2  # every rank, per generation (_Queue.remember)
+        # lines that left without every rank (without their newline) -> the ranks that said
+        # them, per lane: the newer generation, then the older (_remember)
+        self._recent: tuple[list[dict[bytes, int]], list[dict[bytes, int]]] = ([{}, {}],
+                                                                              [{}, {}])
+        self._recent_bytes = [0, 0]
         self.max_wait_s = 0.0  # the longest a line waited here (measured, for the docs)
 
     # ---- streams ---------------------------------------------------------------------------
@@ -227,12 +209,9 @@ class Collapser:
         if other is not None:
             q.other, other.other = other, q
         self._expected[is_err] |= q.bit
-        # many streams: less each, ALL_QUEUES_BYTES in all (and about as much remembered)
+        # many streams: less each, ALL_QUEUES_BYTES in all
         self.queue_bytes = max(MIN_QUEUE_BYTES, min(self.queue_bytes,
                                                     ALL_QUEUES_BYTES // len(self._queues)))
-        self.recent_bytes = self.queue_bytes // 2
-        self.recent_lines = max(MIN_RECENT_LINES, min(RECENT_LINES,
-                                                      4 * RECENT_LINES // len(self._queues)))
 
     def close(self, rank: int, is_err: bool) -> None:
         """The stream ended: nothing waits for it any more; its traceback may leave."""
@@ -349,7 +328,7 @@ class Collapser:
             self._go(out, q, ranks, lane, head, now, None)
             return True
         expected = self._expected[is_err]
-        if not due and self._holds(first, lane, line, same, expected & ~mask):
+        if not due and self._holds(first, lane, line, same, mask):
             return False
         if not expected & ~mask and len(same) > 1:
             # ranks in step: everything they have in common, up to a line of their other
@@ -369,13 +348,14 @@ class Collapser:
         return True
 
     def _holds(self, first: _Queue, lane: list[_Queue], line: bytes, same: list[_Queue],
-               others: int) -> bool:
-        """Whether ``first``'s head (``line``, which the ranks of ``same`` have next) waits for
-        ``others``, the ranks without it that may say it next: those that said nothing yet
+               mask: int) -> bool:
+        """Whether ``first``'s head (``line``, which the ranks of ``same``, ``mask``, have next)
+        waits for the other ranks that may say it next: those that said nothing yet
         (unless ``first`` floods and has no twin), those with the line held back by their
         other stream, and those behind (their next line is one these ranks said already),
         while which the ranks ahead are not read (they catch up meanwhile)."""
-        silent = others
+        others = silent = self._expected[first.is_err] & ~mask
+        newer, older = self._recent[first.is_err]
         held = behind = False
         for q in lane:
             if others & q.bit:
@@ -383,7 +363,7 @@ class Collapser:
                 head = q.head()
                 if head == line:
                     held = True  # the same line, held back by its rank's other stream
-                elif any(p.said_lately(head) for p in same):
+                elif (newer.get(head[:-1], 0) | older.get(head[:-1], 0)) & mask:
                     behind = True  # these ranks said its next line already
                 # else: its next line is another, it has moved past
         for q in self._busy.values():
@@ -409,11 +389,26 @@ class Collapser:
             line, texts = self._run(first, lane, line, due_at)
         else:
             texts = [line[:-1]]
-        if self._expected[first.is_err] & ~sum(q.bit for q in same):
-            # a rank that says these lines later is behind (_holds)
-            for q in same:
-                q.remember(texts, len(line), self.recent_lines, self.recent_bytes)
+        mask = sum(q.bit for q in same)
+        if self._expected[first.is_err] & ~mask:
+            self._remember(first.is_err, texts, len(line), mask)
         self._say(out, same, line, now)
+
+    def _remember(self, is_err: bool, texts: list[bytes], size: int, mask: int) -> None:
+        """Lines (``texts``, without their newlines, ``size`` bytes with them) that the ranks of
+        ``mask`` said without every rank: a rank that says them later is behind (_holds)."""
+        generations = self._recent[is_err]
+        newer = generations[0]
+        # said lately by other ranks too (a rank catching up): their bits are kept; a loop over
+        # those lines only, the others in one C-level update
+        again = {text: newer[text] | mask for text in newer.keys() & texts} if newer else None
+        newer.update(dict.fromkeys(texts, mask))
+        if again:
+            newer.update(again)
+        self._recent_bytes[is_err] += size
+        if len(newer) >= RECENT_LINES or self._recent_bytes[is_err] >= RECENT_BYTES:
+            generations[1], generations[0] = newer, {}
+            self._recent_bytes[is_err] = 0
 
     def _run(self, q: _Queue, lane: list[_Queue], line: bytes,
              due_at: float | None) -> tuple[bytes, list[bytes]]:
