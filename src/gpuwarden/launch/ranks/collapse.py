@@ -24,18 +24,19 @@ heads are the same line:
 - otherwise (every other rank has a different line next) it leaves at once with its ranks. A
   line no other rank has takes along the lines after it that have no twin either among the
   other ranks' next lines (a *run*, found with C-level splits and set operations, not line by
-  line: ranks that each print lines of their own cost about what one rank does).
+  line).
 
 Lines that leave without every rank are remembered with the ranks that said them, to tell a
-rank behind: the latest :data:`RECENT_LINES` of each lane to twice that, in two generations
-(one C-level dict update per run; a line said again is merged with what was said before).
+rank behind: the latest :data:`RECENT_LINES` of each lane to twice that (fewer if they pass
+:data:`RECENT_BYTES`), in two generations (one C-level dict update per run; a line said again
+is merged with the ranks that said it before).
 
 **Floods.** A stream whose last :data:`FLOOD_LINES` lines all left without a twin, and whose
 queue is full (its rank would be paused for room), floods: its lines stop waiting for ranks that
 said nothing yet, so its rank writes at its own pace instead of a queue per window. It still
 shares a line that another rank has queued, and still waits for a rank behind it; from its first
 line said with another rank, or a rank found behind it, its lines wait again. A rank writing
-slower than a queue per window (any rate a person reads, or 20 MB/s) never floods.
+slower than a queue per window (20 MB/s: any rate a person reads) never floods.
 
 **Order.** A rank's lines leave in the order the relay read them, its two streams together: a
 head leaves only after every older line of the same rank, and a run (of common lines, or of a
