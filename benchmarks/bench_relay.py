@@ -13,8 +13,9 @@ of ``chatty.py lines`` all print the same lines), bars in place. Scenarios:
 
 1. piped: N short lines per rank (``print``), 2 ranks; 100 writes of 1 MiB without a newline per
    rank, 2 ranks (one 100 MiB "line": relayed in 64 KiB pieces); one 50 MB line, 1 rank;
-2. on a terminal: N lines per rank, 2 ranks; 100k lines per rank, 8 ranks (collapsed); one 50 MB
-   line, 1 rank and 2 ranks;
+2. on a terminal: N lines per rank, 2 ranks, the same lines (collapsed while the ranks keep in
+   step) and lines of each rank's own (``chatty.py distinct``: nothing to collapse); 100k lines
+   per rank, 8 ranks (collapsed); one 50 MB line, 1 rank and 2 ranks;
 3. ``--only hold``: how long a line waits before it shows on the terminal: rank 0 prints a
    stamped line every 20 ms that no other rank says (the worst case: each waits its whole
    window), with the view and with ``--plain-console``; the delays from the rank's write to the
@@ -225,6 +226,8 @@ def main() -> None:
     if args.only in (None, "tty"):
         pairs(f"on a terminal: 2 ranks × {args.lines:,} lines", 2, ["lines", str(args.lines)],
               args.pairs, base, tty=True)
+        pairs(f"on a terminal: 2 ranks × {args.lines:,} distinct lines", 2,
+              ["distinct", str(args.lines)], args.pairs, base, tty=True)
         pairs("on a terminal: 8 ranks × 100,000 identical lines", 8, ["lines", "100000"],
               args.pairs, base, tty=True)
         pairs("on a terminal: 1 rank, one 50 MB line", 1, ["chunks", "1", "50000000"],

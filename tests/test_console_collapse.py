@@ -11,6 +11,7 @@ import random
 import pytest
 
 from gpuwarden.launch.ranks.collapse import (
+    RECENT_LINES,
     Collapser,
     bits,
     label,
@@ -218,6 +219,109 @@ def test_a_full_queue_is_not_read_until_it_drains() -> None:
     assert c.pending(0, False) >= c.queue_bytes
     d.advance(1)
     assert c.accepts(0, False) and c.pending(0, False) == 0
+
+
+def test_lines_of_each_rank_s_own_leave_in_runs_in_the_order_read() -> None:
+    """Ranks printing lines no other rank says (their own losses, paths): each block read
+    leaves as one run, not one entry per line, and the screen keeps the order the relay read
+    the ranks in."""
+    d = Driver(2)
+    for n in range(20):
+        for r in range(2):
+            d.add(r, b"".join(b"rank %d step %d\n" % (r, i) for i in range(n * 100, n * 100 + 100)))
+        d.advance(d.now + 0.001)
+    d.advance(d.now + 1)
+    for r in range(2):
+        assert [line for _, line in d.said_by(r)] == [b"rank %d step %d" % (r, i)
+                                                      for i in range(2000)]
+    assert [mask for _, _, mask, _ in d.out] == [0b01, 0b10] * 20
+
+
+def _rows(rank: int, start: int, n: int) -> bytes:
+    return b"".join(b"rank %d row %06d loss 0.1234 lr 3e-4\n" % (rank, i)
+                    for i in range(start, start + n))
+
+
+def test_a_rank_flooding_lines_of_its_own_is_not_paused_for_a_silent_rank() -> None:
+    """Rank 0 writes lines no other rank says faster than a queue per window (36 MB/s) while
+    rank 1 says nothing: after its first window its lines stop waiting for rank 1, so the relay
+    reads it whenever it has something and each line leaves as it is read; its first line
+    shared with rank 1 makes its lines wait for rank 1 again."""
+    d = Driver(2)
+    refused = []  # when the relay could not read rank 0 (its queue full of waiting lines)
+    written = 0
+    while d.now < 0.3:
+        if d.c.accepts(0, False):
+            d.add(0, _rows(0, written, 1000))
+            written += 1000
+        else:
+            refused.append(d.now)
+        d.advance(d.now + 0.001)
+    assert refused and max(refused) < 2 * WINDOW  # paused in its first window only
+    shown = d.said_by(0)
+    assert len(shown) == written
+    late = [(when, read) for (when, _), read in zip(shown, d.read_at[0, False], strict=True)
+            if read >= 2 * WINDOW]
+    assert late and all(when == read for when, read in late)  # none waited
+    # a line both ranks say: said once, and rank 0's lines wait for rank 1 again
+    d.add(1, b"epoch 1 done\n")
+    d.add(0, b"epoch 1 done\n")
+    assert d.screen()[-1] == "[rank0-1]: epoch 1 done"
+    d.add(0, b"rank 0: saved\n")
+    assert d.screen()[-1] == "[rank0-1]: epoch 1 done"
+    d.advance(d.now + 1)
+    assert d.out[-1][0] == pytest.approx(d.read_at[0, False][-1] + WINDOW)
+
+
+def test_a_rank_printing_its_own_lines_at_a_readable_pace_never_floods() -> None:
+    """Thousands of lines no other rank says, but slower than a queue per window: each still
+    waits the window for the silent rank (where it may say the same), as the first did."""
+    d = Driver(2)
+    for n in range(200):
+        d.add(0, _rows(0, n * 20, 20))
+        d.advance(d.now + 0.001)
+    d.advance(d.now + 1)
+    waits = [when - read for (when, _), read in zip(d.said_by(0), d.read_at[0, False],
+                                                    strict=True)]
+    assert len(waits) == 4000 and min(waits) >= WINDOW - 1e-9
+
+
+def test_a_rank_stalled_for_thousands_of_lines_is_caught_up() -> None:
+    """Two ranks print lines of their own, then the same lines; rank 1 stalls while rank 0
+    says RECENT_LINES lines alone (slower than a queue per window: rank 0 does not flood).
+    When rank 1 goes on, rank 0 is read no further until rank 1 has caught up, and their lines
+    are said once again (however many lines of its own rank 0 said before)."""
+    d = Driver(2)
+    for n in range(14):
+        for r in range(2):
+            d.add(r, b"".join(b"rank %d: setup %d\n" % (r, i) for i in range(n * 500, n * 500 + 500)))
+        d.advance(d.now + 0.001)
+    total = 500 + RECENT_LINES + 6000
+
+    def block(start: int) -> bytes:
+        return b"".join(b"step %d loss 0.5\n" % i for i in range(start, min(start + 500, total)))
+
+    d.add(0, block(0))
+    d.add(1, block(0))
+    pos = [500, 500]
+    while pos[0] < 500 + RECENT_LINES:  # rank 1 stalls
+        d.add(0, block(pos[0]))
+        pos[0] += 500
+        d.advance(d.now + 0.001)
+    d.advance(d.now + 2 * WINDOW)  # ... past the window: rank 0's lines left alone
+    refused = 0
+    while pos[1] < total:
+        if d.c.accepts(0, False) and pos[0] < total:
+            d.add(0, block(pos[0]))
+            pos[0] += 500
+        elif pos[0] < total:
+            refused += 1
+        d.add(1, block(pos[1]))
+        pos[1] += 500
+        d.advance(d.now + 0.001)
+    d.advance(d.now + 1)
+    assert refused > 0  # rank 0 waited for rank 1
+    assert d.screen()[-3000:] == [f"[rank0-1]: step {i} loss 0.5" for i in range(total - 3000, total)]
 
 
 @pytest.mark.parametrize("seed", range(100))

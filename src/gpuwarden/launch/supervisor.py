@@ -40,7 +40,7 @@ from gpuwarden.launch.outcome import PeerView, RankExit, RunOutcome, echoes, is_
 from gpuwarden.launch.plan import LaunchPlan, RankSpec
 from gpuwarden.launch.ranks.exit_records import fatal_dump_in, read_fatal_dump, read_torch_error
 from gpuwarden.launch.ranks.pcontext import ProcessContext
-from gpuwarden.launch.ranks.pipes import RankPipes
+from gpuwarden.launch.ranks.pipes import RankPipes, gather
 from gpuwarden.launch.ranks.relay import JobRelay, RankRelay
 from gpuwarden.launch.ranks.signals import LauncherSignals
 from gpuwarden.launch.ranks.stdio import RankStdio
@@ -511,7 +511,8 @@ class Supervisor:
         With the terminal's view each ready stream is read once per round, the streams in
         turn (ranks/pipes.py), and rounds follow one another here while output keeps coming,
         for at most PUMP_ROUNDS_S: the loop's other work (reaping, sampling) is not done for
-        every few kilobytes; a signal ends the rounds at once."""
+        every few kilobytes; a signal ends the rounds at once. A round whose reads all found
+        little is followed by a short nap (ranks/pipes.py, gather)."""
         due = self.relay.next_due()
         if due is not None:
             timeout = max(0.0, min(timeout, due - time.monotonic()))
@@ -520,6 +521,7 @@ class Supervisor:
         while True:
             ready = self._sel.select(timeout)
             signalled = False
+            fullest = 0
             for key, _ in ready:
                 if key.data is None:  # the signal wake-up socket
                     self._signals.clear_wakeup()
@@ -536,13 +538,14 @@ class Supervisor:
                     continue
                 rank, is_err = key.data
                 got = True
-                self._pipes.read(rank, key.fd, is_err)
+                fullest = max(fullest, self._pipes.read(rank, key.fd, is_err))
             if self._signals.take_resize():
                 self.relay.resized()
             self.relay.tick()
             self._pipes.resume_ready()
             if signalled or not ready or time.monotonic() >= rounds_until:
                 return got
+            gather(fullest)
             timeout = 0.0
 
     # ---- stalls ----------------------------------------------------------------------------

@@ -19,18 +19,36 @@ heads are the same line:
   head goes first, so the line can still be said once;
 - **some rank has said nothing yet, or is behind** (its next line is one these ranks said
   already): the line waits for it, at most ``window_s``, then leaves with the ranks that said
-  it; meanwhile the ranks ahead are not read (:meth:`accepts`), so the one behind catches up;
-- otherwise (every other rank has a different line next) it leaves at once with its ranks.
+  it; meanwhile the ranks ahead are not read (:meth:`accepts`), so the one behind catches up
+  (a stream that *floods*, below, does not wait for a rank that said nothing yet);
+- otherwise (every other rank has a different line next) it leaves at once with its ranks. A
+  line no other rank has takes along the lines after it that have no twin either among the
+  other ranks' next lines (a *run*, found with C-level splits and set operations, not line by
+  line).
+
+Lines that leave without every rank are remembered with the ranks that said them, to tell a
+rank behind: the latest :data:`RECENT_LINES` of each lane to twice that (fewer if they pass
+:data:`RECENT_BYTES`), in two generations (one C-level dict update per run; a line said again
+is merged with the ranks that said it before).
+
+**Floods.** A stream whose last :data:`FLOOD_LINES` lines all left without a twin, and whose
+queue is full (its rank would be paused for room), floods: its lines stop waiting for ranks that
+said nothing yet, so its rank writes at its own pace instead of a queue per window. It still
+shares a line that another rank has queued, and still waits for a rank behind it; from its first
+line said with another rank, or a rank found behind it, its lines wait again. A rank writing
+slower than a queue per window (20 MB/s: any rate a person reads) never floods.
 
 **Order.** A rank's lines leave in the order the relay read them, its two streams together: a
-head leaves only after every older line of the same rank, and a run of common lines stops
-before a line of the other stream that came in between. A line waits at most ``window_s`` after
-the relay read it (the oldest line is always the first to be due), plus the time until the next
-:meth:`take` (the supervisor's loop wakes at :meth:`next_due`). A queue holds at most about
-``queue_bytes`` (:meth:`accepts`): the relay stops reading a stream whose lines wait, as a
-terminal's flow control would, so memory stays bounded, and ranks that print the same lines as
-fast as they can come back into step (a rank that started 100 ms later is caught up, not shown
-a second time forever).
+head leaves only after every older line of the same rank, and a run (of common lines, or of a
+rank's own) stops before a line of the other stream that came in between; a rank's own run also
+stops before what it wrote after another rank's next line (the screen keeps the order the relay
+read the ranks in, where no line waits). A line waits at most ``window_s`` after the relay read
+it (the oldest line is always the first to be due), plus the time until the next :meth:`take`
+(the supervisor's loop wakes at :meth:`next_due`). A queue holds at most about ``queue_bytes``
+(:meth:`accepts`): the relay stops reading a stream whose lines wait, as a terminal's flow
+control would, so memory stays bounded, and ranks that print the same lines as fast as they can
+come back into step (a rank that started 100 ms later is caught up, not shown a second time
+forever, unless the rank ahead floods: more than a queue per window of lines no rank said).
 
 **A traceback is a rank's own.** From a line that starts one (``Traceback (most recent call
 last):``, a fatal-signal dump, a ``SyntaxError``'s ``  File``) until its stream has been quiet
@@ -48,12 +66,19 @@ from collections.abc import Iterable
 from gpuwarden.units import rank_runs
 
 # A stream's pending bytes before the relay stops reading it: large enough that a rank whose
-# lines wait for silent ranks is not slowed (1 MiB per window is 20 MB/s), bounded for all ranks.
+# lines wait for silent ranks is not slowed (1 MiB per window is 20 MB/s; faster, it floods),
+# bounded for all ranks.
 QUEUE_BYTES = 1 << 20
 MIN_QUEUE_BYTES = 64 * 1024
 ALL_QUEUES_BYTES = 64 << 20
 LOOKAHEAD_BYTES = 2048  # how far into a rank's queue a line is looked for (a few lines)
-RECENT_LINES = 16384  # lines said without every rank, remembered to tell a rank behind
+RECENT_LINES = 16384  # lines said without every rank, remembered to tell a rank behind ...
+RECENT_BYTES = 4 << 20  # ... (each of two generations of a lane at most that many or bytes)
+RUN_BYTES = 256 * 1024  # the most of a stream's lines without a twin that leave in one piece
+# A stream whose last FLOOD_LINES lines found no twin, and whose queue is full of lines waiting
+# for ranks that said nothing yet, floods (a rank writing its own lines faster than a queue per
+# window): its lines stop waiting for silent ranks until one of them has a twin again.
+FLOOD_LINES = 1000
 LABEL_CHARS = 40  # a longer rank set is cut: "[rank0,2,4,...,62 (32 ranks)]"
 
 # The start of what Python (or faulthandler) prints when something fails, at a line's start.
@@ -62,8 +87,16 @@ _TRACEBACK_START = re.compile(
     rb"Current thread 0x|Thread 0x|  File \")", re.MULTILINE)
 
 
+# Pieces of those starts, looked for first (C-level ``in``, many times faster than the regex,
+# which tries its alternatives at every line of every block the view is fed)
+_TRACEBACK_MARKS = (b"Traceback (", b"Fatal Python error: ", b"Exception in thread ", b"hread 0x",
+                    b'  File "')
+
+
 def traceback_start(block: bytes) -> int | None:
     """The offset in ``block`` of the first line that starts a traceback, None when none does."""
+    if not any(map(block.__contains__, _TRACEBACK_MARKS)):
+        return None
     found = _TRACEBACK_START.search(block)
     return None if found is None else found.start()
 
@@ -73,7 +106,7 @@ class _Queue:
 
     __slots__ = ("rank", "is_err", "bit", "buf", "base", "chunks", "tokens", "solo",
                  "solo_bytes", "solo_first", "solo_order", "solo_until", "solo_tokens", "closed", "ahead",
-                 "other")
+                 "other", "streak", "flooding")
 
     def __init__(self, rank: int, is_err: bool) -> None:
         self.rank = rank
@@ -96,6 +129,8 @@ class _Queue:
         self.closed = False
         self.ahead = False  # its next line waits for ranks behind it: not read meanwhile
         self.other: _Queue | None = None  # the rank's other stream
+        self.streak = 0  # lines in a row that left without a twin
+        self.flooding = False  # its lines do not wait for silent ranks (FLOOD_LINES)
 
     def head_time(self) -> float:
         return self.chunks[0][1] if self.buf else self.solo_first
@@ -105,6 +140,10 @@ class _Queue:
 
     def busy(self) -> bool:
         return bool(self.buf) or self.solo is not None
+
+    def head(self) -> bytes:
+        """Its next line, with its newline (buf is not empty)."""
+        return bytes(self.buf[:self.buf.index(b"\n") + 1])
 
     def blocked(self) -> bool:
         """An older line of the same rank waits on its other stream: this one waits too."""
@@ -119,6 +158,15 @@ class _Queue:
                 return start - self.base
             start = end
         return len(self.buf)
+
+    def due(self, now: float, window_s: float) -> int:
+        """How many bytes of buf have waited ``window_s`` at ``now`` (whole lines)."""
+        start = self.base
+        for end, at, _ in self.chunks:
+            if at + window_s > now:  # as Collapser.next_due computes it
+                break
+            start = end
+        return start - self.base
 
     def advance(self, n: int, dropped: list[object]) -> None:
         del self.buf[:n]
@@ -147,10 +195,11 @@ class Collapser:
         self._expected = [0, 0]  # the ranks whose stdout / stderr is open
         self._arrivals = 0
         self.dropped: list[object] = []  # tokens of lines that left (the caller's marks)
-        # lines that left without every rank -> the ranks that said them (the latest few)
-        self._recent: tuple[dict[bytes, int], dict[bytes, int]] = ({}, {})
-        self._recent_order: tuple[collections.deque[bytes], collections.deque[bytes]] = (
-            collections.deque(), collections.deque())
+        # lines that left without every rank (without their newline) -> the ranks that said
+        # them, per lane: the newer generation, then the older (_remember)
+        self._recent: tuple[list[dict[bytes, int]], list[dict[bytes, int]]] = ([{}, {}],
+                                                                              [{}, {}])
+        self._recent_bytes = [0, 0]
         self.max_wait_s = 0.0  # the longest a line waited here (measured, for the docs)
 
     # ---- streams ---------------------------------------------------------------------------
@@ -256,7 +305,7 @@ class Collapser:
             return True
         is_err = first.is_err
         lane = [q for q in self._busy.values() if q.is_err == is_err and q.buf]
-        line = bytes(first.buf[:first.buf.index(b"\n") + 1])
+        line = first.head()
         same = [q for q in lane if q.buf.startswith(line) and (q is first or not q.blocked())]
         if due and not nested:
             # a rank with this line too, held back by an older line of its other stream that is
@@ -275,35 +324,13 @@ class Collapser:
                  and q.buf.find(needle, 0, LOOKAHEAD_BYTES) >= 0]
         if later:
             q = min(later, key=_Queue.head_order)
-            head = bytes(q.buf[:q.buf.index(b"\n") + 1])
-            self._say(out, [p for p in lane if p.buf.startswith(head)
-                            and (p is q or not p.blocked())], head, now)
+            head = q.head()
+            ranks = [p for p in lane if p.buf.startswith(head) and (p is q or not p.blocked())]
+            self._go(out, q, ranks, lane, head, now, None)
             return True
         expected = self._expected[is_err]
-        if not due:
-            # wait for the ranks that said nothing yet, and for those behind: their next line
-            # is one these ranks said already, so they may well say this one next; while it
-            # waits for those, the ranks ahead are not read (they catch up meanwhile)
-            waiting = expected & ~mask
-            behind = False
-            recent = self._recent[is_err]
-            for q in lane:
-                if waiting & q.bit:
-                    head = bytes(q.buf[:q.buf.index(b"\n") + 1])
-                    if head == line:
-                        continue  # the same line, held back by its rank's other stream
-                    if recent.get(head, 0) & mask:
-                        behind = True  # these ranks said its next line already
-                    else:
-                        waiting &= ~q.bit  # its next line is another: it has moved past
-            for q in self._busy.values():
-                if q.is_err == is_err and not q.buf:
-                    waiting &= ~q.bit  # in a traceback
-            if waiting:
-                if behind:
-                    for q in same:
-                        q.ahead = True
-                return False
+        if not due and self._holds(first, lane, line, same, mask):
+            return False
         if not expected & ~mask and len(same) > 1:
             # ranks in step: everything they have in common, up to a line of their other
             # stream that came in between
@@ -315,20 +342,113 @@ class Collapser:
                     limit = min(limit, q.before(other.head_order()))
             if limit < len(lines):
                 lines = lines[:max(lines.rfind(b"\n", 0, limit) + 1, len(line))]
-            line = lines
-        elif expected & ~mask:
-            self._remember(is_err, line, mask)
-        self._say(out, same, line, now)
+            self._say(out, same, lines, now)
+            return True
+        # a line due leaves with the lines after it that are due too: the others may still wait
+        self._go(out, first, same, lane, line, now, now if due and not everything else None)
         return True
 
-    def _remember(self, is_err: bool, line: bytes, mask: int) -> None:
-        """A line that left without every rank: a rank that says it later is behind."""
-        recent, order = self._recent[is_err], self._recent_order[is_err]
-        if line not in recent:
-            order.append(line)
-            if len(order) > RECENT_LINES:
-                recent.pop(order.popleft(), None)
-        recent[line] = recent.get(line, 0) | mask
+    def _holds(self, first: _Queue, lane: list[_Queue], line: bytes, same: list[_Queue],
+               mask: int) -> bool:
+        """Whether ``first``'s head (``line``, which the ranks of ``same``, ``mask``, have next)
+        waits for the other ranks that may say it next: those that said nothing yet
+        (unless ``first`` floods and has no twin), those with the line held back by their
+        other stream, and those behind (their next line is one these ranks said already),
+        while which the ranks ahead are not read (they catch up meanwhile)."""
+        others = silent = self._expected[first.is_err] & ~mask
+        newer, older = self._recent[first.is_err]
+        held = behind = False
+        for q in lane:
+            if others & q.bit:
+                silent &= ~q.bit
+                head = q.head()
+                if head == line:
+                    held = True  # the same line, held back by its rank's other stream
+                elif (newer.get(head[:-1], 0) | older.get(head[:-1], 0)) & mask:
+                    behind = True  # these ranks said its next line already
+                # else: its next line is another, it has moved past
+        for q in self._busy.values():
+            if q.is_err == first.is_err and not q.buf:
+                silent &= ~q.bit  # in a traceback
+        if behind:
+            for q in same:
+                q.ahead = True
+                q.flooding = False  # its lines have twins after all, late ones
+            return True
+        if held or not silent or len(same) > 1:
+            return held or bool(silent)
+        if not first.flooding and first.streak >= FLOOD_LINES \
+                and len(first.buf) + first.solo_bytes >= self.queue_bytes:
+            first.flooding = True  # holding it would pause its rank: it would not catch up
+        return not first.flooding
+
+    def _go(self, out: list[tuple[bool, int, bytes]], first: _Queue, same: list[_Queue],
+            lane: list[_Queue], line: bytes, now: float, due_at: float | None) -> None:
+        """``line``, ``first``'s next, leaves with the ranks of ``same``; a line without a
+        twin takes the lines of its rank that follow it along (:meth:`_run`)."""
+        if len(same) == 1:
+            line, texts = self._run(first, lane, line, due_at)
+        else:
+            texts = [line[:-1]]
+        mask = sum(q.bit for q in same)
+        if self._expected[first.is_err] & ~mask:
+            self._remember(first.is_err, texts, len(line), mask)
+        self._say(out, same, line, now)
+
+    def _remember(self, is_err: bool, texts: list[bytes], size: int, mask: int) -> None:
+        """Lines (``texts``, without their newlines, ``size`` bytes with them) that the ranks of
+        ``mask`` said without every rank: a rank that says them later is behind (_holds)."""
+        generations = self._recent[is_err]
+        newer = generations[0]
+        # said lately by other ranks too (a rank catching up): their bits are kept; a loop over
+        # those lines only, the others in one C-level update
+        again = {text: newer[text] | mask for text in newer.keys() & texts} if newer else None
+        newer.update(dict.fromkeys(texts, mask))
+        if again:
+            newer.update(again)
+        self._recent_bytes[is_err] += size
+        if len(newer) >= RECENT_LINES or self._recent_bytes[is_err] >= RECENT_BYTES:
+            generations[1], generations[0] = newer, {}
+            self._recent_bytes[is_err] = 0
+
+    def _run(self, q: _Queue, lane: list[_Queue], line: bytes,
+             due_at: float | None) -> tuple[bytes, list[bytes]]:
+        """``line``, ``q``'s next, has no twin: with it go the lines of ``q`` after it that
+        have none either among the next lines of the other ranks (as :meth:`_leaves` looks
+        for one), read before the next line of every other rank that is after it (the screen
+        keeps the order the relay read the ranks in) and of its other stream, and (``due_at``
+        given) those due then; at most :data:`RUN_BYTES`, found with C-level splits and set
+        operations, not line by line. Returns them, and them split (without newlines)."""
+        buf = q.buf
+        end = min(len(buf), RUN_BYTES)
+        order = q.head_order()
+        for p in lane:
+            if p is not q and p.head_order() > order:
+                end = min(end, q.before(p.head_order()))
+        other = q.other
+        if other is not None and other.busy():
+            end = min(end, q.before(other.head_order()))
+        if due_at is not None:
+            end = min(end, q.due(due_at, self.window_s))
+        end = buf.rfind(b"\n", 0, end) + 1
+        if end <= len(line):
+            return line, [line[:-1]]
+        run = bytes(buf[:end])
+        lines = run[:-1].split(b"\n")
+        twins: set[bytes] = set()
+        for p in lane:
+            if p is not q:
+                twins.add(p.head()[:-1])
+                ahead = bytes(p.buf[:LOOKAHEAD_BYTES]).split(b"\n")
+                ahead.pop()  # cut by the bound (or empty): not a line
+                twins.update(ahead)
+        if not twins.isdisjoint(lines):
+            for n in range(1, len(lines)):
+                if lines[n] in twins:
+                    del lines[n:]
+                    run = b"\n".join(lines) + b"\n"
+                    break
+        return run, lines
 
     def _say(self, out: list[tuple[bool, int, bytes]], same: list[_Queue], lines: bytes,
              now: float) -> None:
@@ -340,6 +460,12 @@ class Collapser:
             q.ahead = False
             q.advance(n, self.dropped)
             self._settle(q, now, t0)
+        if len(same) == 1:
+            same[0].streak += lines.count(b"\n")
+        else:  # a twin: the ranks' lines are worth holding for one again
+            for q in same:
+                q.streak = 0
+                q.flooding = False
         out.append((same[0].is_err, mask, lines))
 
     def _settle(self, q: _Queue, now: float, t0: float) -> None:

@@ -259,12 +259,18 @@ class StreamRelay:
         self.filtered = filtered
         self._newline_prefix = b"\n" + prefix
         self._pending = bytearray()  # the unfinished line, at most MAX_LINE_BYTES
+        # whether anything takes the stream's lines (a stream shown on a terminal and kept
+        # nowhere else need not be cut into lines here: the view or _tty_write do what it needs)
+        self._cut = (console is not None or file is not None or tail is not None
+                     or bool(self.filters and filtered is not None))
 
     def feed(self, data: bytes) -> None:
         if self.view is not None:
             self.view.feed(data)
         elif self.tty is not None:
             self._tty_write(data)
+        if not self._cut:
+            return
         # Slices of at most MAX_LINE_BYTES: a whole line inside one slice is then shorter than
         # the bound, and only the line that continues the pending one can be longer.
         for start in range(0, len(data), MAX_LINE_BYTES):
@@ -565,7 +571,8 @@ class JobRelay:
         return self.view.next_due() if self.view is not None else None
 
     def tick(self) -> None:
-        """Say what has waited long enough (a line held for the same line of other ranks)."""
+        """Say what the last reads brought and what has waited long enough (a line held for the
+        same line of other ranks): after every round of reads."""
         if self.view is not None:
             self.view.tick()
 

@@ -25,11 +25,12 @@ The region is redrawn at most every :data:`REDRAW_S` for redraws alone; its heig
 below the terminal's so that the cursor never has to climb off the screen.
 
 A line that stays unfinished without a ``\\r`` (``(Pdb) ``, ``Password: ``) is a prompt: after
-the window it is written where the cursor is, as the plain relay writes it, and the region stays
-off the screen until that line is ended (the terminal echoes what the user types after it, which
-no redraw may overwrite). Escape sequences that move the cursor or erase (``\\x1b[A``, ``\\x1b[2K``)
-are taken out of the ranks' lines here: they would move it in the shared screen, not in the
-rank's line (colours, ``\\x1b[...m``, pass).
+the window (counted while the relay reads the rank: one paused because its lines wait for the
+other ranks' may have the rest of the line unread) it is written where the cursor is, as the
+plain relay writes it, and the region stays off the screen until that line is ended (the
+terminal echoes what the user types after it, which no redraw may overwrite). Escape sequences
+that move the cursor or erase (``\\x1b[A``, ``\\x1b[2K``) are taken out of the ranks' lines here:
+they would move it in the shared screen, not in the rank's line (colours, ``\\x1b[...m``, pass).
 
 Limits: a terminal that re-wraps lines when it is made narrower (VTE, iTerm2) may leave a piece
 of a bar wider than the new width above the region once; the region itself is redrawn at the new
@@ -150,6 +151,7 @@ class _Stream:
         self._tag_re = re.compile(rb"(?m)^" + re.escape(torch_tag) + rb" ?")
         self.partial = bytearray()  # the unfinished line, not on the screen yet (or live)
         self.held_since: float | None = None  # a plain unfinished line waits from then
+        self.unread = False  # the relay does not read it for now (TerminalView.accepts)
         self.live = False  # the unfinished line is in the live region
         self.gen = 0  # which live line of this stream the region shows
         self.shown = False  # the unfinished line was written as an open line (a prompt)
@@ -207,15 +209,27 @@ class TerminalView:
 
     def accepts(self, s: _Stream) -> bool:
         """Whether the relay should read more of ``s`` now: not while its lines wait for the
-        other ranks' (a rank ahead of the others is paused, so that they catch up)."""
-        return self.collapser is None or self.collapser.accepts(s.rank, s.is_err)
+        other ranks' (a rank ahead of the others is paused, so that they catch up). Its
+        unfinished line is no prompt meanwhile (the rest may be unread): its window starts
+        again when it is read again."""
+        ok = self.collapser is None or self.collapser.accepts(s.rank, s.is_err)
+        if not ok:
+            s.unread = True
+        elif s.unread:
+            s.unread = False
+            if s.held_since is not None:
+                s.held_since = self._clock()
+        return ok
 
     def feed(self, s: _Stream, data: bytes) -> None:
+        """What ``s`` wrote. Its complete lines are said at the next :meth:`tick` (the relay
+        ticks after each round of reads): the lines of every stream read in the round leave
+        in one look at the queues and one write, not one per stream."""
         now = self._clock()
         if s.shown:
             data = self._continue_open(s, data)
             if not data:
-                self._step(now)
+                self._step(now, say=False)
                 return
         last = data.rfind(b"\n")
         if last >= 0:
@@ -233,7 +247,7 @@ class TerminalView:
             s.partial += data
         if s.partial:
             self._unfinished(s, now)
-        self._step(now)
+        self._step(now, say=False)
 
     def finish(self, s: _Stream) -> None:
         """The stream ended: its unfinished line is a line; nothing waits for it any more."""
@@ -260,7 +274,7 @@ class TerminalView:
         """When :meth:`tick` has something to do (a line's window ends, a redraw is due)."""
         due = self.collapser.next_due() if self.collapser is not None else None
         for s in self._held:
-            if s.held_since is not None:
+            if s.held_since is not None and not s.unread:
                 at = s.held_since + self.window_s
                 due = at if due is None or at < due else due
         if self._dirty and self._region and self._open is None:
@@ -433,10 +447,10 @@ class TerminalView:
 
     # ---- the screen ------------------------------------------------------------------------
 
-    def _step(self, now: float) -> None:
-        """Everything due now, in one write: lines that leave the queue, prompts whose window
-        ended, the region drawn again."""
-        if self.collapser is not None:
+    def _step(self, now: float, say: bool = True) -> None:
+        """Everything due now, in one write: lines that leave the queue (unless not ``say``),
+        prompts whose window ended, the region drawn again."""
+        if self.collapser is not None and say:
             said = self.collapser.take(now)
             if said:
                 self._say(said)
@@ -445,8 +459,8 @@ class TerminalView:
                     self._drop_live(token)
                 self.collapser.dropped.clear()
         if self._held:
-            for s in [s for s in self._held
-                      if s.held_since is not None and s.held_since + self.window_s <= now]:
+            for s in [s for s in self._held if s.held_since is not None and not s.unread
+                      and s.held_since + self.window_s <= now]:
                 self._open_line(s)
         if self._dirty and self._open is None and (
                 self._drawn == 0 or now - self._last_draw >= REDRAW_S or not self._region):
