@@ -508,3 +508,30 @@ def test_the_cpu_fallback_warning_points_at_the_users_line(scenario, lease_dir, 
         shutdown_reusable_pool()
     assert "GPUPool(" in named_line(lambda: GPUPool(cpu_workers=1, preload=()).shutdown())
     assert "super().__init__" in named_line(lambda: MyPool().shutdown())
+
+
+def test_the_warm_pool_is_kept_when_the_caller_imports_torch_after_it_started(two_gpus) -> None:
+    """Without a preload of the caller's, the pool's is chosen when the pool is made (torch
+    only when the caller has imported it): a caller that imports torch between two Parallel
+    calls (scikit-learn's tests do, half way) keeps the warm pool and its workers, as loky
+    keeps its executor; the workers import torch when a task needs it. (It was replaced, and
+    every worker started again.)"""
+    code = """if True:
+        import os, sys
+        from joblib import Parallel, delayed, parallel_config
+        import gpuwarden
+        from gpuwarden.pool import joblib_backend
+        assert "torch" not in sys.modules
+        with parallel_config(backend="gpuwarden", n_jobs=2):
+            Parallel()(delayed(os.getpid)() for _ in range(4))
+            pool = joblib_backend._reusable["pool"]
+            workers = {w.pid for w in pool.workers()}
+            import torch  # noqa: F401
+            Parallel()(delayed(os.getpid)() for _ in range(4))
+            assert joblib_backend._reusable["pool"] is pool, "the warm pool was replaced"
+            assert {w.pid for w in pool.workers()} == workers
+        print("kept")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "kept", done.stderr[-3000:]

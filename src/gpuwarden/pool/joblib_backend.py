@@ -166,7 +166,8 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
         idle_old.shutdown(wait=True)
     from gpuwarden.pool.executor import GPUPool
 
-    pool = GPUPool(max_workers=n_workers, **pool_kwargs)
+    pool = GPUPool(max_workers=n_workers,
+                   **{"preload": _default_preload(), **pool_kwargs})
     with _lock:
         previous = dict(_reusable) if _reusable["pool"] is not None else None
         _reusable.update(settings=settings, pool=pool, n=n_workers, users=1, timer=None)
@@ -405,6 +406,20 @@ def _nested_where(nesting_level: int | None) -> str | None:
     return None
 
 
+def _with_joblib(preload: tuple[str, ...]) -> tuple[str, ...]:
+    # Every task is a joblib batch, which imports joblib.parallel (and numpy: ~0.25 s) where it
+    # is unpickled: imported once by the server, a worker a resize adds runs its first batch at
+    # once instead of importing first while the warm workers wait for work.
+    return preload if JOBLIB_PRELOAD in preload else (*preload, JOBLIB_PRELOAD)
+
+
+def _default_preload() -> tuple[str, ...]:
+    """A new pool's preload when the caller gave none: torch too when the caller has imported
+    it (its tasks likely use it); a caller that has not rarely sends tasks that do, and would
+    wait seconds for an import it never uses."""
+    return _with_joblib(("torch",) if "torch" in sys.modules else ())
+
+
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Backend arguments -> (GPUPool's, joblib memmapping's, idle timeout in seconds)."""
     pool_kwargs = dict(kwargs)
@@ -418,14 +433,14 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     # n_jobs is the number of workers, as with every joblib backend: without an explicit
     # workers_per_gpu, n_jobs above the number of GPUs puts several workers on each.
     pool_kwargs.setdefault("workers_per_gpu", None)
-    # The fork server preloads torch for tasks that use it; a caller that has not imported
-    # torch rarely sends tasks that do, and would wait seconds for an import it never uses.
-    pool_kwargs.setdefault("preload", ("torch",) if "torch" in sys.modules else ())
-    # Every task is a joblib batch, which imports joblib.parallel (and numpy: ~0.25 s) where it
-    # is unpickled: imported once by the server, a worker a resize adds runs its first batch at
-    # once instead of importing first while the warm workers wait for work.
-    if JOBLIB_PRELOAD not in pool_kwargs["preload"]:
-        pool_kwargs["preload"] = (*pool_kwargs["preload"], JOBLIB_PRELOAD)
+    # A preload of the caller's is a setting (a pool with another one is not reused); without
+    # one, the pool's is chosen when a pool is made (_default_preload), not here: it depends
+    # on whether the caller has imported torch by then, and a warm pool replaced because
+    # torch came in since (scikit-learn's tests import it half way) started every worker
+    # again (2.2 s in test_cross_validate_many_jobs, loky 0.1 s). Its workers import torch
+    # when a task needs it, as loky's do.
+    if "preload" in pool_kwargs:
+        pool_kwargs["preload"] = _with_joblib(tuple(pool_kwargs["preload"] or ()))
     if pool_kwargs.get("initializer") is None:
         pool_kwargs.pop("initializer", None)
         pool_kwargs.pop("initargs", None)
