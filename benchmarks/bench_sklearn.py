@@ -5,7 +5,8 @@ writes next to a pool trace; scikit-learn's own ``Parallel`` calls inherit it), 
 simulated 2-GPU host, in a fresh pytest process per run; the backends alternate, ROUNDS
 times, so both see the same load. Printed: each run's wall time, the median per backend and
 their ratio, the tests that passed under each (they must be the same), and the tests whose
-median time differs most. With --trace, what the gpuwarden warm pool did in each test (new
+median time differs most. With --trace (last round), the processes either backend started in
+each test, and what the gpuwarden warm pool did in it (new
 pools, resizes, idle releases), for finding out why one is slow.
 
 scikit-learn is not a dependency of gpuwarden: the ``bench`` extra installs it into the
@@ -77,11 +78,21 @@ if os.environ.get("BENCH_SKLEARN_TRACE"):
     _P.shutdown = _down
 
 
+def _processes():
+    import psutil
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 @pytest.fixture(autouse=True)
 def _bench_backend(request):
     _events.clear()
+    before = _processes() if os.environ.get("BENCH_SKLEARN_TRACE") else set()
     with joblib.parallel_config(backend=os.environ["BENCH_SKLEARN_BACKEND"]):
         yield
+    if os.environ.get("BENCH_SKLEARN_TRACE"):
+        started = len(_processes() - before)  # either backend's new workers (and helpers)
+        if started:
+            _events.append(("processes started", started))
     if os.environ.get("BENCH_SKLEARN_TRACE"):
         with open(os.environ["BENCH_SKLEARN_TRACE"], "a") as f:
             f.write(json.dumps({"test": request.node.nodeid, "events": _events}) + "\\n")
@@ -148,7 +159,7 @@ def main() -> int:
     modules = args.modules or (FULL if args.full else MODULES)
     plugin_dir = Path(tempfile.mkdtemp(prefix="bench-sklearn-"))
     (plugin_dir / "bench_sklearn_plugin.py").write_text(PLUGIN)
-    trace = plugin_dir / "trace.jsonl" if args.trace else None
+    traces = {arm: plugin_dir / f"trace-{arm}.jsonl" for arm in ("loky", "gpuwarden")}
     print(f"scikit-learn {sklearn.__version__}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; {len(modules)} modules"
           f"{', -k ' + args.keyword if args.keyword else ''}; {args.rounds} rounds, "
@@ -157,9 +168,9 @@ def main() -> int:
     runs: dict[str, list[dict[str, object]]] = {arm: [] for arm in arms}
     for i in range(args.rounds):
         for arm in arms[i % len(arms):] + arms[:i % len(arms)]:  # who goes first rotates
-            last = i == args.rounds - 1 and arm == "gpuwarden"
-            result = run(arm, modules, args.keyword, plugin_dir, trace if last else None,
-                         args.before)
+            last = i == args.rounds - 1 and args.trace
+            result = run(arm, modules, args.keyword, plugin_dir,
+                         traces.get(arm) if last else None, args.before)
             runs[arm].append(result)
             print(f"  round {i + 1} {arm:9} {result['wall']:7.1f} s  {result['tail']}",
                   flush=True)
@@ -185,16 +196,20 @@ def main() -> int:
     for t in worst[:args.top]:
         lo, gw = medians[t]
         print(f"  {lo:6.2f} {gw:6.2f}  {t.split('sklearn/')[-1]}")
-    if trace is not None and trace.exists():
-        rows = [json.loads(line) for line in trace.read_text().splitlines()]
-        counts: dict[str, int] = defaultdict(int)
-        for row in rows:
-            for event in row["events"]:
-                counts[event[0]] += 1
-        print(f"\nthe gpuwarden warm pool in the last round: {dict(counts)}")
-        for row in rows:
-            if any(e[0] != "resize" for e in row["events"]):
-                print(f"  {row['test'].split('sklearn/')[-1][:90]}: {row['events']}")
+    if args.trace:
+        events = {arm: {row["test"]: row["events"] for row in map(json.loads, path.read_text().splitlines())}
+                  for arm, path in traces.items() if path.exists()}
+        for arm, rows in events.items():
+            counts: dict[str, int] = defaultdict(int)
+            for row_events in rows.values():
+                for event in row_events:
+                    counts[event[0]] += 1
+            print(f"\n{arm} in the last round: {dict(counts)}")
+        print("the tests in which either started processes or the warm pool changed:")
+        for test in sorted({t for rows in events.values() for t, e in rows.items()
+                            if any(ev[0] != "resize" for ev in e)}):
+            said = "; ".join(f"{arm} {events[arm].get(test, [])}" for arm in events)
+            print(f"  {test.split('sklearn/')[-1][:90]}: {said}")
     return 0
 
 
