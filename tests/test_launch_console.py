@@ -21,6 +21,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,20 +49,30 @@ def env(tmp_path: Path) -> dict[str, str]:
     return e
 
 
-def on_terminal(args: list[str], env: dict[str, str], cwd: Path,
-                timeout_s: float = 150) -> tuple[int, bytes]:
+def on_terminal(args: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 150, *,
+                controlling: bool = False,
+                watch: Callable[[int, bytes], None] | None = None) -> tuple[int, bytes]:
     """``gpuwarden launch --cpu ARGS`` on a pseudo-terminal of its own (stdin, stdout, stderr),
-    as a shell starts it; its exit code and every byte it wrote there, read to the end."""
+    as a shell starts it; its exit code and every byte it wrote there, read to the end.
+    ``controlling``: the terminal is its controlling one, as a shell's job's (the kernel's
+    SIGWINCH reaches it). ``watch(master, written so far)`` is called before each read."""
+
+    def take_the_terminal() -> None:  # after setsid (start_new_session)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
     proc = subprocess.Popen([GPUWARDEN, "launch", "--cpu", *args], stdin=slave, stdout=slave,
-                            stderr=slave, env=env, cwd=cwd, start_new_session=True)
+                            stderr=slave, env=env, cwd=cwd, start_new_session=True,
+                            preexec_fn=take_the_terminal if controlling else None)
     os.close(slave)
     out = bytearray()
     deadline = time.monotonic() + timeout_s
     try:
         while True:
             assert time.monotonic() < deadline, out.decode(errors="replace")
+            if watch is not None:
+                watch(master, bytes(out))
             ready, _, _ = select.select([master], [], [], 1.0)
             if not ready:
                 continue
@@ -137,48 +148,27 @@ def test_a_resize_reaches_the_ranks_and_the_bars_end_drawn_at_the_new_width(
     prefix (the rank waits for that before going on), and the bars end one line each, drawn
     at the new width, with no piece of a wider state left above them."""
     narrow, steps = 70, 40
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
-
-    def take_the_terminal() -> None:  # after setsid (start_new_session): the shell's job
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    proc = subprocess.Popen([GPUWARDEN, "launch", "--cpu", "-n", "2", SCRIPT, "resize",
-                             str(tmp_path), str(steps)], stdin=slave, stdout=slave,
-                            stderr=slave, env=env, cwd=tmp_path, start_new_session=True,
-                            preexec_fn=take_the_terminal)
-    os.close(slave)
     s = pyte.Screen(COLUMNS, ROWS)
     stream = pyte.ByteStream(s)
+    fed = 0
     half = f"{steps // 2}/{steps}"
     resized = False
-    deadline = time.monotonic() + 150
-    try:
-        while True:
-            assert time.monotonic() < deadline, "\n".join(line.rstrip() for line in s.display)
-            if not resized and all(any(f"rank {r}:" in line and half in line for line in s.display)
-                                   for r in range(2)):
-                # Both bars are drawn half way and their ranks wait: nothing is written now
-                # until the width changes, so the screen and the terminal change it together.
-                fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, narrow, 0, 0))
-                s.resize(ROWS, narrow)
-                resized = True
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if not ready:
-                continue
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every holder of the terminal's other end has exited
-                break
-            if not data:
-                break
-            stream.feed(data)
-        code = proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
+
+    def watch(master: int, out: bytes) -> None:
+        nonlocal fed, resized
+        stream.feed(out[fed:])
+        fed = len(out)
+        if not resized and all(any(f"rank {r}:" in line and half in line for line in s.display)
+                               for r in range(2)):
+            # Both bars are drawn half way and their ranks wait: nothing is written now
+            # until the width changes, so the screen and the terminal change it together.
+            fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, narrow, 0, 0))
+            s.resize(ROWS, narrow)
+            resized = True
+
+    code, out = on_terminal(["-n", "2", SCRIPT, "resize", str(tmp_path), str(steps)], env,
+                            tmp_path, controlling=True, watch=watch)
+    stream.feed(out[fed:])
     lines = [line.rstrip() for line in s.display if line.strip()]
     assert resized and code == 0, "\n".join(lines)
     for rank in range(2):
