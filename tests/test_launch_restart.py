@@ -42,6 +42,18 @@ def test_a_new_exception_gets_another_attempt_the_same_one_twice_ends_the_job() 
     assert decide_restart([KEYERROR, SIGKILLED], KEYERROR, policy).restart
 
 
+def test_a_rank_that_raised_then_died_of_a_signal_is_said_to_have_raised() -> None:
+    """torch's gloo threads can abort an interpreter that is exiting after an exception
+    (SIGABRT): the attempt's line names the exception, as the policy judges the failure (a
+    loaded run of the suite said "rank 0: SIGABRT" and hid the RuntimeError)."""
+    raised = Failure("RANK_FAILED", 0, "RuntimeError", "/job/restart.py:31", signal="SIGABRT")
+    assert raised.describe() == "RANK_FAILED (rank 0: RuntimeError at /job/restart.py:31, then SIGABRT)"
+    assert SIGKILLED.describe() == "RANK_FAILED (rank 1: SIGKILL)"
+    assert KEYERROR.describe() == "RANK_FAILED (rank 1: KeyError at /job/train.py:41)"
+    # judged by its exception: the same one twice ends the job, a signal alone would not
+    assert not decide_restart([raised], raised, RestartPolicy(5)).restart
+
+
 def test_causes_that_can_pass_are_restarted_every_time_within_the_budget() -> None:
     policy = RestartPolicy(max_restarts=3)
     for failure in (SIGKILLED, Failure("NCCL_WATCHDOG_TIMEOUT", 0, "torch.distributed.DistBackendError",

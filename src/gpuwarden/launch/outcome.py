@@ -212,7 +212,13 @@ class Failure:
         return (self.rank, self.exc_type, self.where)
 
     def describe(self) -> str:
-        how = self.signal or (f"{self.exc_type} at {self.where}" if self.exc_type else self.what)
+        # A rank that raised and then died of a signal (torch's gloo threads abort the
+        # interpreter's exit: SIGABRT) failed of its exception, as the policy judges it: that
+        # is named first, the signal after it.
+        if self.exc_type:
+            how = f"{self.exc_type} at {self.where}" + (f", then {self.signal}" if self.signal else "")
+        else:
+            how = self.signal or self.what
         if self.rank is None or self.rank < 0:  # a node lost, a membership change, a stall...
             return f"{self.code} ({how})" if how else self.code
         who = f"rank {self.rank}"
