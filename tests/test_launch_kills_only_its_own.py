@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -191,7 +192,12 @@ def test_a_full_log_dir_is_a_warning_and_the_job_finishes(tmp_path: Path) -> Non
     assert "Traceback" not in text
     assert "warning: the log file" in text and "No space left on device" in text, text
     # tee'd: tagged as torchrun tags it
-    assert b"[default0]:DONE" in out and out.count(b"[default0]:line ") == 2000
+    # (twice in loaded runs 1998 of 2000 reached the console, not reproduced alone: say which)
+    said = {int(m) for m in re.findall(rb"\[default0\]:line (\d+) ", out)}
+    missing = sorted(set(range(2000)) - said)
+    where = out.find(f"line {missing[0] - 1} ".encode()) if missing else -1
+    assert b"[default0]:DONE" in out and not missing, \
+        (missing, out[max(where - 20, 0):where + 1200] if where >= 0 else out[:1200])
 
 
 @pytest.mark.timeout(120)
