@@ -431,3 +431,30 @@ def test_every_byte_reaches_an_unbuffered_console_through_a_full_pipe_and_signal
         reader.join(60)
         os.close(r)
     assert bytes(got) == block * 10
+
+
+def test_a_log_file_that_fills_the_disk_in_one_write_warns(tmp_path: Path) -> None:
+    """One write larger than the space left writes part and returns the count, without an
+    error: the part was dropped and nobody was told. The log file writes the rest again,
+    which fails with ENOSPC and warns, once (a real 64 KiB tmpfs)."""
+    from gpuwarden.launch.ranks.relay import LogFile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    warnings: list[str] = []
+    try:
+        log = LogFile(str(disk / "stdout.log"), warnings.append)
+        log.write(b"x" * 200_000)
+        said_at_once = list(warnings)  # by this write, not only by a later one
+        log.write(b"more\n")  # not written again, not warned again
+        log.close()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert len(said_at_once) == 1 and "No space left on device" in said_at_once[0], warnings
+    assert warnings == said_at_once

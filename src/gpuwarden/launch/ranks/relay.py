@@ -238,7 +238,9 @@ class LogFile:
         if self._file is None:
             return
         try:
-            self._file.write(data)
+            # Unbuffered: a write that fills the disk writes part and says so; the rest is
+            # written again, which raises ENOSPC and warns (the part was dropped unsaid).
+            _write_all(self._file, data)
         except OSError as exc:
             self._failed(exc, "written")
 
