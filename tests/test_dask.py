@@ -502,6 +502,67 @@ def test_a_report_before_the_removal_fails_the_task_at_once(cluster: Cluster,
             future.result(timeout=30)
 
 
+def _steal(dask_scheduler: Any, key: str, victim: str, thief: str) -> str:
+    """On the scheduler: ask Dask's own work stealing to move a queued task (what its balancer
+    does on a busy cluster, here at a moment the test chooses)."""
+    stealing = dask_scheduler.extensions["stealing"]
+    return str(stealing.move_task_request(dask_scheduler.tasks[key],
+                                          dask_scheduler.workers[victim],
+                                          dask_scheduler.workers[thief]))
+
+
+def _processing_on(dask_scheduler: Any, key: str) -> str | None:
+    ts = dask_scheduler.tasks.get(key)
+    return ts.processing_on.address if ts is not None and ts.processing_on else None
+
+
+def test_a_task_moved_by_work_stealing_fails_with_the_worker_it_moved_to(cluster: Cluster,
+                                                                         tmp_path: Path) -> None:
+    """Stealing moves a task without a transition: the death of the worker it moved to, not of
+    the one it was first sent to, fails it (on a loaded machine Dask steals on its own; the
+    task then ran again instead of failing)."""
+    gate, marker = tmp_path / "gate", tmp_path / "stolen.pid"
+
+    def block() -> int:
+        while not gate.exists():
+            time.sleep(0.02)
+        return 0
+
+    def moved() -> int:
+        marker.write_text(str(os.getpid()))
+        time.sleep(60)
+        return 1
+
+    with Client(cluster.address) as client:
+        victim = wait_for_worker(client, "box-b/GPU0/0")
+        thief = wait_for_worker(client, "box-b/GPU1/0")
+        try:
+            blocker = client.submit(block, workers=[victim], pure=False)
+            future = client.submit(moved, workers=[victim], allow_other_workers=True,
+                                   pure=False)
+            deadline = time.monotonic() + 60
+            while client.run_on_scheduler(_processing_on, key=future.key) != victim:
+                assert time.monotonic() < deadline, "the task never reached its first worker"
+                time.sleep(0.05)
+            client.run_on_scheduler(_steal, key=future.key, victim=victim, thief=thief)
+            while not marker.exists() or not marker.read_text():
+                assert time.monotonic() < deadline, "the stolen task never started"
+                time.sleep(0.05)
+            pid = int(marker.read_text())
+            assert client.run(os.getpid, workers=[thief])[thief] == pid
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(DaskWorkerDiedError) as err:
+                try:
+                    future.result(timeout=60)
+                except TimeoutError as exc:
+                    raise AssertionError(f"the stolen task neither failed nor finished:\n"
+                                         f"{cluster.logs()}") from exc
+        finally:
+            gate.touch()
+        assert blocker.result(timeout=60) == 0
+    assert err.value.worker == "box-b/GPU1/0" and err.value.exit_status == "SIGKILL(-9)"
+
+
 def test_sigkill_of_the_worker_command_leaves_no_process_and_no_lease(cluster: Cluster) -> None:
     # box-a's supervisor dies without any clean-up: its nannies die with it, Dask's workers
     # follow their nanny (a pipe to it closes), the kernel drops the lease locks.

@@ -108,7 +108,8 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         self.workers: dict[str, dict[str, Any]] = {}  # address -> what its nanny announced
         self.leaving: set[str] = set()  # closed on purpose: their tasks go on at once
         self.reported: dict[str, dict[str, Any]] = {}  # death reports, by worker address
-        self.processing_on: dict[Any, str] = {}  # task key -> gpuwarden worker it was sent to
+        # Removals under way: worker -> the tasks processing there (the scheduler's own event).
+        self.removing: dict[str, set[Any]] = {}
         self.held: dict[str, _Hold] = {}
         self.dead: dict[str, dict[str, Any]] = {}  # removed, report pending: its announcement
         self.warned: dict[tuple[tuple[str, float], ...], float] = {}  # missing -> when warned
@@ -163,21 +164,24 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
 
     # -- the scheduler's own events --------------------------------------------------------
 
+    def log_event(self, topic: str, msg: Any) -> None:
+        # The scheduler's own account of a removal, logged just before it releases the tasks
+        # that were processing on the worker. It is the one record that stays right when Dask's
+        # work stealing has moved a task: stealing sets ``ts.processing_on`` without a
+        # transition, so a worker remembered from the task's last transition can be the wrong
+        # one (the task then ran again elsewhere instead of failing with its worker).
+        if topic == "all" and isinstance(msg, dict) and msg.get("action") == "remove-worker":
+            self.removing[str(msg.get("worker"))] = set(msg.get("processing-tasks") or ())
+
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "no-worker":
             self._unoffered(key)
             return
-        if finish == "processing":
-            ts = self.scheduler.tasks.get(key)
-            ws = ts.processing_on if ts is not None else None
-            if ws is not None and ws.address in self.workers:
-                self.processing_on[key] = ws.address
+        if start != "processing" or finish != "released":
             return
-        if start != "processing":
-            return
-        address = self.processing_on.pop(key, None)
-        if address is None or finish != "released" or address in self.scheduler.workers:
-            return  # not ours, finished, or released for another reason (cancel, stealing)
+        address = next((a for a, keys in self.removing.items() if key in keys), None)
+        if address is None or address not in self.workers:
+            return  # not a removal (finished, cancelled, stolen), or not a gpuwarden worker
         if address in self.leaving or address in self.reported:
             return  # closed on purpose, or its report already failed the right task
         # Its worker was removed while this task was processing there: hold the task until the
@@ -202,6 +206,7 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             asyncio.get_running_loop().call_later(self.hold_s * 2, self.dead.pop, worker, None)
         self.leaving.discard(worker)
         self.reported.pop(worker, None)
+        self.removing.pop(worker, None)
 
     def _unoffered(self, key: Any) -> None:
         """A task waits for a worker: warn when no worker offers a resource it asks for."""
