@@ -23,6 +23,16 @@ def pid_and_loaded(module: str, delay_s: float = 0.0) -> tuple[int, bool]:
     return os.getpid(), module in sys.modules
 
 
+def meet_then_report(folder: str, count: int, module: str) -> tuple[int, bool]:
+    """Wait (60 s at most) until ``count`` tasks are running at once, each in its own worker,
+    then say whether ``module`` was loaded in this worker (this task imports nothing)."""
+    Path(folder, str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid(), module in sys.modules
+
+
 def pid_and_env(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
     time.sleep(delay_s)
     return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")

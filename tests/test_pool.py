@@ -391,3 +391,31 @@ def test_refusal_by_the_callers_own_pool_says_so(two_gpus, no_leftover_processes
     assert "shutdown_reusable_pool()" in (error.fix or "")
     assert any(f"pid {os.getpid()}" in e for e in error.evidence)
 
+
+
+def test_a_worker_a_resize_adds_imports_what_loading_the_pools_tasks_imported(
+        two_gpus, no_leftover_processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39: a worker added later (resize, replacement) used to import the modules of its
+    first task while holding it — scikit-learn's take a second, so a tiny task waited that long
+    on a fresh worker while the warm ones were idle (loky's new workers are still starting
+    then, and take nothing). Now it imports them before it is ready."""
+    from tests import pool_tasks
+
+    (tmp_path / "warm_module_of_the_tasks.py").write_text("def same(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers get the caller's sys.path
+    import warm_module_of_the_tasks  # type: ignore[import-not-found]
+
+    met = tmp_path / "met"
+    met.mkdir()
+    with GPUPool(max_workers=1, workers_per_gpu=None, preload=()) as pool:
+        assert pool.submit(warm_module_of_the_tasks.same, 7).result(timeout=60) == 7
+        pool.resize(2)
+        deadline = time.monotonic() + 60
+        while sum(w.ready for w in pool.workers()) < 2:
+            assert time.monotonic() < deadline, pool.workers()
+            time.sleep(0.01)
+        both = [pool.submit(pool_tasks.meet_then_report, str(met), 2,
+                            "warm_module_of_the_tasks") for _ in range(2)]
+        answers = [f.result(timeout=90) for f in both]
+    assert len({pid for pid, _ in answers}) == 2, answers  # the old worker and the new one
+    assert all(loaded for _, loaded in answers), answers

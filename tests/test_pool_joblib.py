@@ -365,6 +365,10 @@ def test_alternating_n_jobs_resizes_the_warm_pool_instead_of_restarting(two_gpus
     # preloads it): they take work at once instead of importing it while the others wait.
     pool = joblib_backend._reusable["pool"]
     pool.resize(6)
+    deadline = time.monotonic() + 60  # short tasks are not held for a worker still starting
+    while sum(w.ready for w in pool.workers()) < 6:
+        assert time.monotonic() < deadline, pool.workers()
+        time.sleep(0.01)
     loaded = [f.result(timeout=60) for f in
               [pool.submit(pool_tasks.pid_and_loaded, "joblib.parallel", 0.05) for _ in range(18)]]
     assert all(ok for _, ok in loaded), loaded

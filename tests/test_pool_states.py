@@ -360,6 +360,37 @@ def test_a_reservation_that_spreads_the_gpus_waits_only_for_a_young_worker() -> 
     assert h.worker_of(c) in on_gpu0 and all(not w.inflight for w in on_gpu1)
 
 
+def test_a_reservation_waits_no_longer_than_the_pools_tasks_take() -> None:
+    """Issue 39, scikit-learn's sequence: a worker added by a resize imports what the pool's
+    tasks need before it is ready (a second for scikit-learn). A short task it reserved goes to
+    the first idle ready worker once the new one has been starting longer than tasks take, not
+    after HOLD_FOR_STARTING_S. The time loading a task took when it imported modules does not
+    count: it is the import's."""
+    now = [0.0]
+    h = Harness(workers=2, gpus=1)  # one GPU: spreading over GPUs plays no part
+    h.core.clock = lambda: now[0]
+    h.start_all()
+    (a,) = h.submit(1)
+    now[0] = 1.0
+    h.core.on_started(a.worker, a.id)  # type: ignore[arg-type]
+    h.core.on_result(a.worker, a.id, 1, failed=False, load_s=0.95)  # type: ignore[arg-type]
+    assert h.core.task_s == pytest.approx(0.05)
+    h.core.resize(plan_slots([gpu(0)], 3, cpu_workers=0, max_workers=3))
+    (new,) = [x.worker for x in h.take() if isinstance(x, StartWorker)]
+    c, d, e = h.submit(3)
+    assert e.state is TaskState.RESERVED and e.worker == new.key
+    now[0] = 1.01
+    h.core.on_result(c.worker, c.id, 1, failed=False)  # type: ignore[arg-type]
+    assert not any(isinstance(x, SendTask) for x in h.take())
+    assert e.state is TaskState.RESERVED  # young: it may be ready soon
+    assert h.core.task_s is not None
+    assert h.core.hold_deadline == pytest.approx(new.started_at + h.core.task_s)
+    now[0] = h.core.hold_deadline
+    h.core.dispatch()
+    assert any(isinstance(x, SendTask) and x.task is e for x in h.take())
+    assert e.worker == c.worker and not new.inflight
+
+
 def test_a_starting_worker_retired_by_resize_gets_no_task_even_if_it_becomes_ready() -> None:
     """Seen in joblib's suite: a resize killed a worker still starting, which then said
     READY before the kill landed, took a task, and the task failed with its death."""

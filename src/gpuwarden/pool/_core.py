@@ -309,12 +309,16 @@ class Core:
                 task.state = TaskState.RUNNING
                 return
 
-    def on_result(self, key: int, task_id: int, value: Any, *, failed: bool) -> None:
+    def on_result(self, key: int, task_id: int, value: Any, *, failed: bool,
+                  load_s: float = 0.0) -> None:
+        """A task's result or error. ``load_s``: how long loading it took when that imported
+        modules (a worker's first task of a kind): the import's time, not the task's, so not
+        counted in ``task_s``."""
         worker = self.workers.get(key)
         if worker is None or not worker.inflight or worker.inflight[0].id != task_id:
             return  # from a worker already declared dead: its task was resolved then
         task = worker.inflight.popleft()
-        elapsed = self.clock() - task.sent_at
+        elapsed = max(0.0, self.clock() - task.sent_at - load_s)
         self.task_s = elapsed if self.task_s is None else 0.8 * self.task_s + 0.2 * elapsed
         task.state = TaskState.FAILED if failed else TaskState.DONE
         self.actions.append(Resolve(task, value, failed=failed))
@@ -476,10 +480,15 @@ class Core:
             self._give(worker, task)
         if not self.queue:
             self._take_back(now)
-        young = [w.started_at for w in self.workers.values()
+        # When a reservation is looked at again: once its worker is slow, or once it has been
+        # starting longer than tasks take (then an idle ready worker takes the task).
+        young = [w.started_at + (HOLD_FOR_STARTING_S if self.task_s is None
+                                 or self._outrun(w, now)
+                                 else min(HOLD_FOR_STARTING_S, self.task_s))
+                 for w in self.workers.values()
                  if w.state is WorkerState.STARTING and w.inflight and not self._slow(w, now)]
         if young:
-            self.hold_deadline = min(young) + HOLD_FOR_STARTING_S
+            self.hold_deadline = min(young)
 
     @staticmethod
     def _slow(worker: Worker, now: float) -> bool:
@@ -487,6 +496,12 @@ class Core:
         spawned one importing torch in ~1-2 s): no task waits for it."""
         return worker.state is WorkerState.STARTING \
             and now >= worker.started_at + HOLD_FOR_STARTING_S
+
+    def _outrun(self, worker: Worker, now: float) -> bool:
+        """Starting for longer than the pool's tasks take: a ready worker would have finished
+        the task it reserved by now (short tasks are not held for a worker importing its
+        modules; long GPU tasks still are, to spread over the GPUs)."""
+        return self.task_s is not None and now - worker.started_at >= self.task_s
 
     def _give(self, worker: Worker, task: Task) -> None:
         task.worker = worker.key
@@ -508,7 +523,7 @@ class Core:
                      if w.state is WorkerState.READY and not w.inflight]:
             load = self._load()
             waiting = [w for w in self.workers.values() if w.state is WorkerState.STARTING
-                       and w.inflight and (self._slow(w, now)
+                       and w.inflight and (self._slow(w, now) or self._outrun(w, now)
                                            or load[_gpu_key(idle)] < load[_gpu_key(w)])]
             if not waiting:
                 return

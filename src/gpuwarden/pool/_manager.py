@@ -44,6 +44,10 @@ from gpuwarden.procs import describe_exit
 log = logging.getLogger("gpuwarden.pool")
 
 SERVER_EXIT_WAIT_S = 8.0
+# The most module names the pool learns from its workers for the warm start of later ones
+# (_worker.py); scikit-learn with numpy and scipy is about 1500. Anything a worker sends is
+# bounded by this, and a worker can only name modules this process's tasks sent it to load.
+MAX_WARM_MODULES = 4000
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class _Link:
     reader: _wire.FrameReader = field(default_factory=_wire.FrameReader)
     writer: _wire.FrameWriter = field(default_factory=_wire.FrameWriter)
     writing: bool = False
+    # The last task whose loading imported modules (IMPORTED), and how long loading took.
+    load_task: int | None = None
+    load_s: float = 0.0
 
 
 class Mailbox:
@@ -111,6 +118,9 @@ class Manager:
         self._start_method = start_method
         self._boot = boot
         self._on_closed = on_closed
+        # What loading tasks imported in the workers, in import order: later workers import
+        # it before they are ready (a warm start, _worker.py).
+        self._warm: dict[str, None] = {}
         self.core = _core.Core(slots, make_error=error_of)
         self._selector = selectors.DefaultSelector()
         self._links: dict[int, _Link] = {}
@@ -266,7 +276,8 @@ class Manager:
         self._links[worker.key] = link
         self._selector.register(parent, selectors.EVENT_READ, ("worker", link))
         boot = {**self._boot, "env": dict(worker.slot.env), "index": worker.slot.index,
-                "device": worker.slot.device_label, "threads": worker.slot.threads}
+                "device": worker.slot.device_label, "threads": worker.slot.threads,
+                "warm": list(self._warm)}
         link.writer.put(_wire.Kind.BOOT, -1, _pickling.dumps_task(boot))
         self._flush(link)
         # The child's end goes to the server (closed here once sent).
@@ -374,7 +385,10 @@ class Manager:
                     why=str(load_error), fix="send functions and arguments the worker can "
                     "import (the worker gets the caller's sys.path; lambdas travel by value)")
                 value.__cause__ = load_error
-            core.on_result(worker.key, task_id, value, failed=failed)
+            load_s = link.load_s if link.load_task == task_id else 0.0
+            core.on_result(worker.key, task_id, value, failed=failed, load_s=load_s)
+        elif kind is _wire.Kind.IMPORTED:
+            link.load_task, link.load_s = task_id, self._learn(payload)
         elif kind is _wire.Kind.READY:
             for note in _pickling.loads(payload):
                 log.warning("%s: %s", worker.name, note)
@@ -390,6 +404,19 @@ class Manager:
                 fix="fix the initializer; its traceback is this error's __cause__")
             error.__cause__ = cause
             core.on_init_error(worker.key, error)
+
+    def _learn(self, payload: bytearray) -> float:
+        """Take in an IMPORTED frame: learn the names; the seconds loading took."""
+        try:
+            load_s, names = _pickling.loads(payload)
+            load_s = max(0.0, float(load_s))
+        except Exception:  # noqa: BLE001 - a hint for later workers, never a fault
+            return 0.0
+        if isinstance(names, list):
+            for name in names[:max(0, MAX_WARM_MODULES - len(self._warm))]:
+                if isinstance(name, str):
+                    self._warm[name] = None
+        return load_s
 
     def _forget_dead_links(self) -> None:
         for key in [k for k in self._links if k not in self.core.workers]:

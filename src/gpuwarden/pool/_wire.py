@@ -41,6 +41,10 @@ class Kind(IntEnum):
     STARTED = 12     # the worker has read task `task id` and is about to load and run it
     RESULT = 13      # payload: pickled return value
     ERROR = 14       # payload: pickled exception (with the worker's traceback)
+    # Sent before a task's RESULT or ERROR when loading the task imported modules; payload:
+    # (seconds loading took, their names) pickled. The pool's next workers import them before
+    # they are READY; the import's time is not counted as the task's.
+    IMPORTED = 15
 
 
 def frame(kind: Kind, task_id: int, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:

@@ -10,7 +10,17 @@ imports anything).
 On the worker's socket (frames of ``_wire.py``): the pool sends BOOT, then TASK frames, or
 STOP; the worker answers READY (or INIT_ERROR), then for each task STARTED as soon as it has
 read it — before anything of the task is unpickled or run, so that the pool knows exactly
-which task a death interrupted — then RESULT or ERROR. stdout and stderr are flushed after
+which task a death interrupted — then IMPORTED when loading the task imported modules, then
+RESULT or ERROR.
+
+Warm start: a worker started later in a pool's life (a resize, a replacement) would pay for
+the imports its first task needs while holding that task — scikit-learn's modules take a
+second, so a tiny task waited a second on a fresh worker while the warm ones were idle. So
+each worker says which modules loading a task imported (the task's function and its
+arguments' classes: what every task of that kind needs to start; not what a task imports as
+it runs), and the pool hands the list to the workers it starts next, which import them,
+after the initializer and before they say READY. Until then they are starting, and the
+pool's dispatch sends tasks to the ready workers. stdout and stderr are flushed after
 each task, so a task's output is not lost with a worker that dies later.
 """
 
@@ -23,7 +33,9 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
+import warnings
 from typing import Any
 
 from gpuwarden.pool import _pickling
@@ -65,8 +77,10 @@ def serve(sock: socket.socket) -> int:
             return 0  # stopped, or the pool's process is gone: nobody wants results
         kind, task_id, payload = message
         send_frame(sock, Kind.STARTED, task_id)
-        reply_kind, reply = _run(payload, name)
+        reply_kind, reply, imported = _run(payload, name)
         del payload, message
+        if imported:
+            send_frame(sock, Kind.IMPORTED, task_id, _pickling.dumps_result(imported))
         send_frame(sock, reply_kind, task_id, reply)
         del reply
         for stream in (sys.stdout, sys.stderr):
@@ -91,7 +105,35 @@ def _start(boot: dict[str, Any]) -> list[str]:
     if boot["initializer"] is not None:
         initializer, initargs = _pickling.loads(boot["initializer"])
         initializer(*initargs)
+    if boot.get("warm"):
+        warm_up(boot["warm"])
+        notes.extend(apply_thread_caps(boot["threads"]))
     return notes
+
+
+def warm_up(modules: list[str]) -> None:
+    """Import what loading the pool's earlier tasks imported (see the top of this module).
+    Quietly: a module that fails here fails again, with its own error, in the task that
+    needs it; its import-time warnings were shown by the worker that imported it first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in modules:
+            if module in sys.modules:
+                continue
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001,S112 - see the docstring
+                continue
+
+
+def imported_since(known: int) -> list[str]:
+    """The modules imported since ``sys.modules`` had ``known`` entries (it only grows in
+    practice), as names importable on their own: not ``__main__`` (a task's function from the
+    caller's script travels by value), not aliases (``os.path`` is posixpath), not modules
+    made without a spec."""
+    names = list(sys.modules.copy())[known:]
+    return [n for n in names if n not in ("__main__", "__mp_main__")
+            and getattr(getattr(sys.modules.get(n), "__spec__", None), "name", None) == n]
 
 
 def apply_thread_caps(threads: int | None) -> list[str]:
@@ -134,24 +176,29 @@ def _cap_memory(fraction: float) -> list[str]:
     return []
 
 
-def _run(data: bytearray, name: str) -> tuple[Kind, bytes]:
+def _run(data: bytearray, name: str) -> tuple[Kind, bytes, list[Any]]:
+    """Load and run one task: the reply's kind and payload, and — when loading it imported
+    modules — how long loading took and the modules' names."""
+    known, began = len(sys.modules), time.monotonic()
     try:
         fn, args, kwargs = _pickling.loads(data)
     except BaseException as exc:  # noqa: BLE001 - the caller gets it back, named
         error = _pickling.TaskLoadError(f"the task could not be unpickled in the worker: "
                                         f"{type(exc).__name__}: {exc}")
         error.__cause__ = exc
-        return Kind.ERROR, _pickling.dumps_result(_exception(error, name))
+        return Kind.ERROR, _pickling.dumps_result(_exception(error, name)), []
+    imported = ([time.monotonic() - began, imported_since(known)]
+                if len(sys.modules) > known else [])
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - the caller gets it back
-        return Kind.ERROR, _pickling.dumps_result(_exception(exc, name))
+        return Kind.ERROR, _pickling.dumps_result(_exception(exc, name)), imported
     finally:
         del fn, args, kwargs
     try:
-        return Kind.RESULT, _pickling.dumps_result(result)
+        return Kind.RESULT, _pickling.dumps_result(result), imported
     except BaseException as exc:  # noqa: BLE001 - an unpicklable result is the task's error
-        return Kind.ERROR, _pickling.dumps_result(_exception(exc, name))
+        return Kind.ERROR, _pickling.dumps_result(_exception(exc, name)), imported
 
 
 def _exception(exc: BaseException, name: str) -> Any:
