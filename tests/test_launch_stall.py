@@ -125,6 +125,17 @@ def test_mismatched_collectives_name_the_odd_one_out() -> None:
     assert two is not None and two.waiting == [0] and two.elsewhere == [1]  # tie: rank 0's point
 
 
+def test_a_mismatch_names_the_fewer_ranks_odd_whichever_waited_longest() -> None:
+    """Seen beside a CPU hog: rank 3 reached its broadcast a second before ranks 0-2 reached
+    their all_reduce, so it alone was past the timeout when the check ran; the report then
+    said ranks 0, 1, 2 "took another path". The odd ones out are the fewer."""
+    views = {r: view(r, same(ALL_REDUCE, 11.0, 18.0)) for r in (0, 1, 2)}
+    views[3] = view(3, same(BROADCAST, 10.0, 18.0))
+    stall = decide_stall(views, 18.0, 7.5, source_line)  # only rank 3 waited 7.5 s or more
+    assert stall is not None and stall.kind == "mismatch"
+    assert stall.waiting == [0, 1, 2] and stall.elsewhere == [3] and stall.point == "all_reduce"
+
+
 def test_gone_and_unstarted_ranks_are_the_odd_ones_out() -> None:
     views = {0: view(0, same(INIT, 10.0, 15.0)), 1: RankView(1, "exited", returncode=0),
              2: RankView(2, "not_started"), 3: view(3, same(INIT, 10.0, 15.0))}

@@ -28,6 +28,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Collectives and point-to-point calls of torch.distributed that block until peers take part.
 COLLECTIVES = frozenset({
@@ -245,18 +246,27 @@ def decide_stall(views: Mapping[int, RankView], now: float, timeout_s: float,
     if len(set(point.values())) == 1 and None not in point.values():
         return None  # everyone waits at the same point: a slow collective, not a missing rank
     # The reference point: where most stalled ranks wait (ties: the lowest rank's).
-    stalled_points = Counter(w.wait.point for w in stalled.values())
-    best = max(stalled_points.values())
-    ref = min((p for p, n in stalled_points.items() if n == best),
-              key=lambda p: min(r for r, w in stalled.items() if w.wait.point == p))
+    ref = _most_common({r: w.wait.point for r, w in stalled.items()}, list(stalled))
+    mismatch = all(point[r] is not None for r in members if point[r] != ref)
+    if mismatch:
+        # Every rank waits in some collective: the odd ones out are the fewer, whichever of
+        # them passed the timeout first (on a busy machine a lone rank's wait can be the oldest).
+        ref = _most_common(point, members)
     same = sorted(r for r in members if point[r] == ref)
     elsewhere = sorted(r for r in members if point[r] != ref)
-    mismatch = all(point[r] is not None for r in elsewhere)
     where = {r: describe_rank(views[r], waits.get(r), now) for r in members}
-    ref_wait = stalled[min(r for r in stalled if stalled[r].wait.point == ref)].wait
+    ref_wait = waits[min(r for r in waits if waits[r].wait.point == ref)].wait
     return Stall(same, elsewhere, where, {}, now, ref_wait.op,
                  "mismatch" if mismatch else ref_wait.kind,
                  {r: waits[r].wait.op for r in members if r in waits})
+
+
+def _most_common(point: Mapping[int, Any], ranks: Sequence[int]) -> Any:
+    """The point most of ``ranks`` wait at (ties: the lowest rank's)."""
+    counts = Counter(point[r] for r in ranks)
+    best = max(counts.values())
+    return min((p for p, n in counts.items() if n == best),
+               key=lambda p: min(r for r in ranks if point[r] == p))
 
 
 def describe_rank(v: RankView, w: _Waiting | None, now: float) -> str:
