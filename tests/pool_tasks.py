@@ -33,6 +33,14 @@ def meet_then_report(folder: str, count: int, module: str) -> tuple[int, bool]:
     return os.getpid(), module in sys.modules
 
 
+def wait_for_file(path: str, cap_s: float = 120.0) -> bool:
+    """A task as slow as the test wants: it ends once ``path`` exists (or after ``cap_s``)."""
+    deadline = time.monotonic() + cap_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.path.exists(path)
+
+
 def pid_and_env(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
     time.sleep(delay_s)
     return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")

@@ -419,3 +419,26 @@ def test_a_worker_a_resize_adds_imports_what_loading_the_pools_tasks_imported(
         answers = [f.result(timeout=90) for f in both]
     assert len({pid for pid, _ in answers}) == 2, answers  # the old worker and the new one
     assert all(loaded for _, loaded in answers), answers
+
+
+def test_a_tiny_task_never_waits_behind_a_slow_one_while_a_worker_is_free(
+        two_gpus, no_leftover_processes, tmp_path: Path) -> None:
+    """Beside a CPU hog joblib's test_parallel_unordered_generator_returns_fastest_first failed:
+    after many tiny tasks the pool sent a second task to a busy worker (pipelining), the first
+    turned out to take 30 s, and the second waited for it while the other worker was idle."""
+    import concurrent.futures
+
+    from tests import pool_tasks
+
+    gate = tmp_path / "gate"
+    with GPUPool(max_workers=2, workers_per_gpu=None, preload=()) as pool:
+        for f in [pool.submit(pool_tasks.tiny, i) for i in range(300)]:
+            f.result(timeout=60)  # the pool has seen only tiny tasks
+        slow = pool.submit(pool_tasks.wait_for_file, str(gate))
+        fast = [pool.submit(pool_tasks.tiny, i) for i in range(8)]
+        try:
+            _, stuck = concurrent.futures.wait(fast, timeout=60)
+            assert not stuck and not slow.done(), f"{len(stuck)} tiny task(s) waited for the slow one"
+        finally:
+            gate.touch()
+        assert slow.result(timeout=60)

@@ -40,12 +40,11 @@ MAX_START_FAILURES = 3
 # A task whose worker died before starting it is requeued; after this many such deaths it
 # fails instead (a payload that kills whoever reads it must not go round forever).
 MAX_REQUEUES = 3
-# Pipelining a second task to a busy worker hides the round trip of tiny tasks, but a task
-# queued behind a long one waits even when another worker is idle. So only tasks that have
-# been finishing in under this time are pipelined, and only payloads small enough to sit in
-# the socket buffer.
-PIPELINE_BELOW_S = 0.005
-PIPELINE_MAX_BYTES = 32 * 1024
+# No task is sent to a worker that is running one (no pipelining): a task sent behind a running
+# one waits for it, and no task's length is known before it ends — after many tiny tasks, a 30 s
+# one held a tiny one behind it for 30 s while the other worker idled (joblib's
+# test_parallel_unordered_generator_returns_fastest_first, beside a CPU hog). Pipelining saved
+# ~15 us per tiny task; a task taken back from a busy worker's socket could run twice.
 # Workers told to stop get this long to exit before they are killed.
 STOP_GRACE_S = 3.0
 # A worker still starting may reserve a task when it sits on a less loaded GPU (spreading
@@ -433,11 +432,8 @@ class Core:
             return False  # about to die: what it took would fail with it
         if worker.state is WorkerState.READY:
             return True
-        if worker.state is WorkerState.STARTING:
-            return not worker.inflight  # one task may be reserved by a worker still starting
-        return (worker.state is WorkerState.BUSY and len(worker.inflight) == 1
-                and self.task_s is not None and self.task_s < PIPELINE_BELOW_S
-                and len(task.payload) <= PIPELINE_MAX_BYTES)
+        # One task may be reserved by a worker still starting; none goes to a busy one.
+        return worker.state is WorkerState.STARTING and not worker.inflight
 
     def _load(self) -> collections.Counter[str]:
         load: collections.Counter[str] = collections.Counter()
