@@ -197,7 +197,7 @@ class Core:
         self.stop_deadline: float | None = None
         self.stop_stage = 0
         self.hold_deadline: float | None = None
-        self.task_s: float | None = None  # recent task time (EWMA), for pipelining
+        self.task_s: float | None = None  # recent task time (EWMA): how long a reservation may wait
         self.actions: list[Action] = []
         self._keys = itertools.count()
 

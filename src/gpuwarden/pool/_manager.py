@@ -45,8 +45,8 @@ log = logging.getLogger("gpuwarden.pool")
 
 SERVER_EXIT_WAIT_S = 8.0
 # The most module names the pool learns from its workers for the warm start of later ones
-# (_worker.py); scikit-learn with numpy and scipy is about 1500. Anything a worker sends is
-# bounded by this, and a worker can only name modules this process's tasks sent it to load.
+# (_worker.py); scikit-learn with numpy and scipy is about 1500. What the pool keeps and sends
+# each new worker stays bounded however many kinds of task it runs.
 MAX_WARM_MODULES = 4000
 
 

@@ -11,7 +11,8 @@ On the worker's socket (frames of ``_wire.py``): the pool sends BOOT, then TASK 
 STOP; the worker answers READY (or INIT_ERROR), then for each task STARTED as soon as it has
 read it — before anything of the task is unpickled or run, so that the pool knows exactly
 which task a death interrupted — then IMPORTED when loading the task imported modules, then
-RESULT or ERROR.
+RESULT or ERROR. stdout and stderr are flushed after each task, so a task's output is not lost
+with a worker that dies later.
 
 Warm start: a worker started later in a pool's life (a resize, a replacement) would pay for
 the imports its first task needs while holding that task — scikit-learn's modules take a
@@ -20,8 +21,7 @@ each worker says which modules loading a task imported (the task's function and 
 arguments' classes: what every task of that kind needs to start; not what a task imports as
 it runs), and the pool hands the list to the workers it starts next, which import them,
 after the initializer and before they say READY. Until then they are starting, and the
-pool's dispatch sends tasks to the ready workers. stdout and stderr are flushed after
-each task, so a task's output is not lost with a worker that dies later.
+pool's dispatch sends tasks to the ready workers.
 """
 
 from __future__ import annotations
