@@ -564,6 +564,39 @@ def test_a_task_moved_by_work_stealing_fails_with_the_worker_it_moved_to(cluster
     assert err.value.worker == name and err.value.exit_status == "SIGKILL(-9)"
 
 
+def _forget_announcement(dask_scheduler: Any, address: str) -> bool:
+    """On the scheduler: the plugin's state as if the worker's announcement never arrived."""
+    return dask_scheduler.plugins["gpuwarden"].workers.pop(address, None) is not None
+
+
+def test_a_worker_whose_announcement_was_lost_still_fails_its_task_when_killed(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Beside a CPU hog the scheduler missed a nanny's announcement (a 5 s timeout); the plugin
+    then held nothing when that worker died, and Dask ran the task again. The nanny now tries
+    again, and its death report says who the worker was: the task fails with the death."""
+    marker = tmp_path / "unannounced.pid"
+
+    def slow() -> int:
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+        time.sleep(60)  # a second run, elsewhere, is still running when the report comes
+        return 1
+
+    with Client(cluster.address) as client:
+        worker = wait_for_worker(client, "box-b/GPU0/0")
+        assert client.run_on_scheduler(_forget_announcement, address=worker)
+        future = client.submit(slow, workers=[worker], allow_other_workers=True, pure=False)
+        deadline = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        with pytest.raises(DaskWorkerDiedError) as err:
+            future.result(timeout=60)
+    assert err.value.worker == "box-b/GPU0/0" and err.value.exit_status == "SIGKILL(-9)"
+    assert err.value.host == "box-b" and err.value.gpu == "GPU 0"
+
+
 def test_sigkill_of_the_worker_command_leaves_no_process_and_no_lease(cluster: Cluster) -> None:
     # box-a's supervisor dies without any clean-up: its nannies die with it, Dask's workers
     # follow their nanny (a pipe to it closes), the kernel drops the lease locks.

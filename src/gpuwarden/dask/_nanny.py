@@ -23,6 +23,10 @@ from gpuwarden.procs import describe_exit
 log = logging.getLogger("gpuwarden.dask")
 
 NOTIFY_TIMEOUT_S = 5.0
+# The announcement is tried again for this long: a scheduler busy on a loaded host can miss a
+# 5 s reply, and a worker the plugin does not know has its tasks retried by Dask instead of
+# failed with its death (seen beside a 2-core CPU hog).
+ANNOUNCE_FOR_S = 120.0
 _ASKED_TO_STOP = (Status.closing, Status.closed, Status.closing_gracefully, Status.failed)
 
 
@@ -45,9 +49,22 @@ class GPUNanny(Nanny):
         status: Status = await super().instantiate()
         if status == Status.running and self.worker_address:
             self._running = {"address": self.worker_address, "pid": self.pid}
-            await self._tell("gpuwarden_worker_up", info={**self.gpuwarden_info,
-                                                          **self._running})
+            info = {**self.gpuwarden_info, **self._running}
+            if not await self._tell("gpuwarden_worker_up", info=info):
+                self._in_background(self._announce_again(info))
         return status
+
+    async def _announce_again(self, info: dict[str, Any]) -> None:
+        deadline = asyncio.get_running_loop().time() + ANNOUNCE_FOR_S
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.5)
+            if self._running is None or self._running["address"] != info["address"]:
+                return  # that worker is gone; its successor announces itself
+            if await self._tell("gpuwarden_worker_up", info=info):
+                return
+        log.warning("gpuwarden: the scheduler did not take the announcement of %s within %.0f s: "
+                    "a death of this worker is retried by Dask, not reported", info["name"],
+                    ANNOUNCE_FOR_S)
 
     async def close(self, *args: Any, **kwargs: Any) -> Any:
         # Say first that this worker leaves on purpose: its tasks then go elsewhere at once.
@@ -68,18 +85,25 @@ class GPUNanny(Nanny):
                         self.gpuwarden_info["device"], self.gpuwarden_info["host"],
                         report["exit_status"],
                         f" while running {report['executing']}" if report["executing"] else "")
-            task = asyncio.get_running_loop().create_task(self._tell(
+            self._in_background(self._tell(
                 "gpuwarden_worker_died", address=report["address"],
-                exit_status=report["exit_status"], executing=dumps(report["executing"])))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+                exit_status=report["exit_status"], executing=dumps(report["executing"]),
+                info={**self.gpuwarden_info, **running}))
         super()._on_worker_exit_sync(exitcode)
 
-    async def _tell(self, op: str, **msg: Any) -> None:
-        """Send one message to the scheduler plugin; a scheduler without it just says no."""
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _tell(self, op: str, **msg: Any) -> bool:
+        """Send one message to the scheduler plugin; whether it was taken (a scheduler without
+        the plugin just says no)."""
         if self.scheduler_gone:
-            return
+            return True  # nobody to tell: nothing to try again
         try:
             await asyncio.wait_for(getattr(self.scheduler, op)(**msg), NOTIFY_TIMEOUT_S)
+            return True
         except Exception as exc:  # noqa: BLE001 - without the plugin Dask's own handling stays
             log.debug("gpuwarden: %s to the scheduler failed: %r", op, exc)
+            return False

@@ -135,8 +135,11 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             self._release(hold, executing=(), exit_status=None)
         return "OK"
 
-    def worker_died(self, address: str, exit_status: str, executing: bytes) -> str:
-        info = self.workers.get(address) or self.dead.get(address)
+    def worker_died(self, address: str, exit_status: str, executing: bytes,
+                    info: dict[str, Any] | None = None) -> str:
+        # The nanny's own account of its worker (``info``) stands in for an announcement the
+        # scheduler never took.
+        info = self.workers.get(address) or self.dead.get(address) or info
         if info is None:
             return "unknown worker"
         keys = loads(executing)
@@ -160,7 +163,31 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         hold = self.held.pop(address, None)
         if hold is not None:
             self._release(hold, executing=keys, exit_status=exit_status)
+        else:
+            # Removed with nothing held (the plugin did not know the worker then): Dask has
+            # sent the task elsewhere already; it still fails with the death that ended it.
+            asyncio.get_running_loop().call_soon(self._fail_moved, info, list(keys),
+                                                 exit_status)
         return "OK"
+
+    def _fail_moved(self, info: dict[str, Any], keys: list[Any], exit_status: str) -> None:
+        stimulus_id = f"gpuwarden-worker-died-{time.time()}"
+        for key in keys:
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or ts.retries > 0:
+                continue  # gone, or the caller asked for retries: Dask's retry stands
+            exc = describe_death(info, exit_status, key)
+            log.warning("gpuwarden: %s, reported after the worker's removal: the task, sent "
+                        "elsewhere meanwhile, fails", exc.what)
+            if ts.state == "processing" and ts.processing_on is not None:
+                self.scheduler.handle_task_erred(
+                    key=key, stimulus_id=stimulus_id, worker=ts.processing_on.address,
+                    run_id=ts.run_id, exception=dumps(exc), traceback=None,
+                    exception_text=exc.what, traceback_text="")
+            elif ts.state in ("no-worker", "queued"):
+                self.scheduler.transitions(self.scheduler.transition(
+                    key, "erred", stimulus_id, cause=key, exception=dumps(exc), traceback=None,
+                    exception_text=exc.what, traceback_text=""), stimulus_id)
 
     # -- the scheduler's own events --------------------------------------------------------
 
