@@ -156,10 +156,13 @@ def test_first_failure_stops_every_rank_within_grace(capsys: pytest.CaptureFixtu
     assert code == exit_code, err
     assert words in err
     failed_at = float((tmp_path / "failed_at").read_text())
-    # Survivors ignore SIGTERM: only SIGKILL after the grace period ends them. The bound is
-    # the default grace, which a launcher ignoring --grace would wait on top of noticing the
-    # failure: 1.1 s quiet, 3.2 s at load average 30-50 (a bound of grace + 1.5 s failed there).
-    assert ended - failed_at < DEFAULT_GRACE_S, ended - failed_at
+    term_at = min(float(p.read_text()) for p in tmp_path.glob("term_at*"))
+    # Survivors ignore SIGTERM (they note when it came): only SIGKILL after the grace period
+    # ends them. From that SIGTERM to the launcher's end the bound is the default grace, which
+    # a launcher ignoring --grace would wait. Measured from the failure it also held the time
+    # to notice it: 5.24 s beside a 2-core CPU hog (load 11), 1.1 s quiet.
+    assert term_at >= failed_at
+    assert ended - term_at < DEFAULT_GRACE_S, (ended - term_at, term_at - failed_at)
     assert "rank 0: pid" in err and "stopped by gpuwarden (signal SIGKILL(-9))" in err
     assert not wait_until_gone(pids_in(tmp_path))  # ranks and their own children
     if mode == "raise":

@@ -13,7 +13,11 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 with open(os.path.join(piddir, f"rank{rank}.pids"), "w") as f:
     f.write(f"{os.getpid()} {child.pid}\n")
 if rank != 1:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def note_sigterm(signum, frame):  # and go on: only SIGKILL ends this rank
+        with open(os.path.join(piddir, f"term_at{rank}"), "w") as f:
+            f.write(repr(time.monotonic()))
+
+    signal.signal(signal.SIGTERM, note_sigterm)
     while True:
         time.sleep(0.1)
 time.sleep(0.5)  # let the others start
