@@ -111,7 +111,6 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         # Removals under way: worker -> the tasks processing there (the scheduler's own event).
         self.removing: dict[str, set[Any]] = {}
         self.held: dict[str, _Hold] = {}
-        self.dead: dict[str, dict[str, Any]] = {}  # removed, report pending: its announcement
         self.warned: dict[tuple[tuple[str, float], ...], float] = {}  # missing -> when warned
         scheduler.handlers["gpuwarden_worker_up"] = self.worker_up
         scheduler.handlers["gpuwarden_worker_leaving"] = self.worker_leaving
@@ -132,14 +131,15 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         self.leaving.add(address)
         hold = self.held.pop(address, None)
         if hold is not None:
-            self._release(hold, executing=(), exit_status=None)
+            self._release(hold, {}, executing=(), exit_status=None)
         return "OK"
 
     def worker_died(self, address: str, exit_status: str, executing: bytes,
                     info: dict[str, Any] | None = None) -> str:
-        # The nanny's own account of its worker (``info``) stands in for an announcement the
-        # scheduler never took.
-        info = self.workers.get(address) or self.dead.get(address) or info
+        # The report carries the nanny's account of its worker (host, GPU, pid): the same as
+        # its announcement, which the scheduler may never have taken or has dropped with the
+        # worker's removal.
+        info = info or self.workers.get(address)
         if info is None:
             return "unknown worker"
         keys = loads(executing)
@@ -151,18 +151,13 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             # had reported its error; the removal that follows reschedules the others.
             for key in keys:
                 ts = self.scheduler.tasks.get(key)
-                if ts is None or ts.state != "processing" or ts.processing_on is None \
-                        or ts.processing_on.address != address:
-                    continue
-                exc = describe_death(info, exit_status, key)
-                self.scheduler.handle_task_erred(
-                    key=key, stimulus_id=stimulus_id, worker=address, run_id=ts.run_id,
-                    exception=dumps(exc), traceback=None, exception_text=exc.what,
-                    traceback_text="")
+                if ts is not None and ts.processing_on is not None \
+                        and ts.processing_on.address == address:
+                    self._fail(ts, describe_death(info, exit_status, key), stimulus_id)
             return "OK"
         hold = self.held.pop(address, None)
         if hold is not None:
-            self._release(hold, executing=keys, exit_status=exit_status)
+            self._release(hold, info, executing=keys, exit_status=exit_status)
         else:
             # Removed with nothing held (the plugin did not know the worker then): Dask has
             # sent the task elsewhere already; it still fails with the death that ended it.
@@ -179,15 +174,22 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             exc = describe_death(info, exit_status, key)
             log.warning("gpuwarden: %s, reported after the worker's removal: the task, sent "
                         "elsewhere meanwhile, fails", exc.what)
-            if ts.state == "processing" and ts.processing_on is not None:
-                self.scheduler.handle_task_erred(
-                    key=key, stimulus_id=stimulus_id, worker=ts.processing_on.address,
-                    run_id=ts.run_id, exception=dumps(exc), traceback=None,
-                    exception_text=exc.what, traceback_text="")
-            elif ts.state in ("no-worker", "queued"):
-                self.scheduler.transitions(self.scheduler.transition(
-                    key, "erred", stimulus_id, cause=key, exception=dumps(exc), traceback=None,
-                    exception_text=exc.what, traceback_text=""), stimulus_id)
+            self._fail(ts, exc, stimulus_id)
+
+    def _fail(self, ts: Any, exc: DaskWorkerDiedError, stimulus_id: str) -> None:
+        """Fail ``ts`` with ``exc`` where it is: running on a worker (as if that worker had
+        reported the error) or waiting for one. Anything else (done, gone) is left alone.
+        Never called from inside a transition: erring a task re-enters the scheduler's
+        transition machinery."""
+        if ts.state == "processing" and ts.processing_on is not None:
+            self.scheduler.handle_task_erred(
+                key=ts.key, stimulus_id=stimulus_id, worker=ts.processing_on.address,
+                run_id=ts.run_id, exception=dumps(exc), traceback=None,
+                exception_text=exc.what, traceback_text="")
+        elif ts.state in ("no-worker", "queued"):
+            self.scheduler.transitions(self.scheduler.transition(
+                ts.key, "erred", stimulus_id, cause=ts.key, exception=dumps(exc),
+                traceback=None, exception_text=exc.what, traceback_text=""), stimulus_id)
 
     # -- the scheduler's own events --------------------------------------------------------
 
@@ -225,12 +227,9 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
         ts.loose_restrictions = False
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
-        # Called after the removal's transitions (the holds are in place). The announcement is
-        # kept a while for the report still to come: it names the host and the GPU.
-        info = self.workers.pop(worker, None)
-        if info is not None and worker not in self.leaving and worker not in self.reported:
-            self.dead[worker] = info
-            asyncio.get_running_loop().call_later(self.hold_s * 2, self.dead.pop, worker, None)
+        # Called after the removal's transitions (the holds are in place). The report still to
+        # come names the worker itself.
+        self.workers.pop(worker, None)
         self.leaving.discard(worker)
         self.reported.pop(worker, None)
         self.removing.pop(worker, None)
@@ -264,19 +263,19 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
             log.warning("gpuwarden: no report from the nanny of %s within %.0f s: its %d task(s) "
                         "go back to Dask's own retry", address, self.hold_s,
                         len(hold.restrictions))
-            self._release(hold, executing=(), exit_status=None)
+            self._release(hold, {}, executing=(), exit_status=None)
 
-    def _release(self, hold: _Hold, executing: Any, exit_status: str | None) -> None:
+    def _release(self, hold: _Hold, info: dict[str, Any], executing: Any,
+                 exit_status: str | None) -> None:
         if hold.timer is not None:
             hold.timer.cancel()
-        asyncio.get_running_loop().call_soon(self._release_now, hold, list(executing),
+        asyncio.get_running_loop().call_soon(self._release_now, hold, info, list(executing),
                                              exit_status)
 
-    def _release_now(self, hold: _Hold, executing: list[Any], exit_status: str | None) -> None:
-        # Called from the event loop, never from inside a transition: erring a task re-enters
-        # the scheduler's transition machinery.
+    def _release_now(self, hold: _Hold, info: dict[str, Any], executing: list[Any],
+                     exit_status: str | None) -> None:
+        # Called from the event loop, never from inside a transition (see _fail).
         stimulus_id = f"gpuwarden-release-{time.time()}"
-        info = self.workers.get(hold.address) or self.dead.pop(hold.address, {})
         again: dict[Any, str] = {}
         for key, (restrictions, loose) in hold.restrictions.items():
             ts = self.scheduler.tasks.get(key)
@@ -290,10 +289,7 @@ class GpuwardenSchedulerPlugin(SchedulerPlugin):
                 ts.retries -= 1  # the caller asked for retries (submit(..., retries=N))
                 again[key] = "processing"
             elif exit_status is not None and key in executing:
-                exc = describe_death(info, exit_status, key)
-                self.scheduler.transitions(self.scheduler.transition(
-                    key, "erred", stimulus_id, cause=key, exception=dumps(exc), traceback=None,
-                    exception_text=exc.what, traceback_text=""), stimulus_id)
+                self._fail(ts, describe_death(info, exit_status, key), stimulus_id)
             else:
                 again[key] = "processing"
         if again:
