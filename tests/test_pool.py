@@ -17,7 +17,7 @@ import pytest
 from gpuwarden.errors import ConstraintError, PoolBrokenError, WorkerDiedError
 from gpuwarden.pool import CPUFallbackWarning, GPUPool
 from gpuwarden.pool._pickling import RemoteTraceback
-from tests.conftest import wait_until_gone
+from tests.conftest import until, wait_until_gone
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -410,10 +410,7 @@ def test_a_worker_a_resize_adds_imports_what_loading_the_pools_tasks_imported(
     with GPUPool(max_workers=1, workers_per_gpu=None, preload=()) as pool:
         assert pool.submit(warm_module_of_the_tasks.same, 7).result(timeout=60) == 7
         pool.resize(2)
-        deadline = time.monotonic() + 60
-        while sum(w.ready for w in pool.workers()) < 2:
-            assert time.monotonic() < deadline, pool.workers()
-            time.sleep(0.01)
+        until("both workers ready", lambda: sum(w.ready for w in pool.workers()) == 2)
         both = [pool.submit(pool_tasks.meet_then_report, str(met), 2,
                             "warm_module_of_the_tasks") for _ in range(2)]
         answers = [f.result(timeout=90) for f in both]
@@ -442,3 +439,32 @@ def test_a_tiny_task_never_waits_behind_a_slow_one_while_a_worker_is_free(
         finally:
             gate.touch()
         assert slow.result(timeout=60)
+
+
+def test_a_worker_that_dies_in_its_warm_start_leaves_later_ones_starting_cold(
+        two_gpus, no_leftover_processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm start at its one new position: a module a task loaded kills a fresh process
+    (here once a flag file exists). The worker dies before it is ready; without a fallback
+    every replacement would die the same way and the third death would break the pool. Its
+    replacement starts cold, and the pool runs on."""
+    from tests import pool_tasks
+
+    flag = tmp_path / "kill-on-import"
+    (tmp_path / "kills_fresh_workers.py").write_text(
+        "import os, signal\n"
+        f"if os.path.exists({str(flag)!r}):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "def same(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kills_fresh_workers  # type: ignore[import-not-found]
+
+    (tmp_path / "met").mkdir()
+    with GPUPool(max_workers=1, workers_per_gpu=None, preload=()) as pool:
+        assert pool.submit(kills_fresh_workers.same, 3).result(timeout=60) == 3
+        flag.touch()
+        pool.resize(2)
+        until("both workers ready", lambda: sum(w.ready for w in pool.workers()) == 2)
+        pids = {f.result(timeout=60)[0] for f in
+                [pool.submit(pool_tasks.meet_then_report, str(tmp_path / "met"), 2, "x")
+                 for _ in range(2)]}
+    assert len(pids) == 2

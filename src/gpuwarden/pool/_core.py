@@ -427,7 +427,7 @@ class Core:
     def _wanted(self, slot: WorkerSlot) -> bool:
         return self.phase is Phase.RUNNING or (self.phase is Phase.DRAINING and bool(self.queue))
 
-    def _capacity(self, worker: Worker, task: Task) -> bool:
+    def _capacity(self, worker: Worker) -> bool:
         if worker.kill_requested:
             return False  # about to die: what it took would fail with it
         if worker.state is WorkerState.READY:
@@ -455,7 +455,7 @@ class Core:
         now = self.clock()
         while self.queue:
             task = self.queue[0]
-            candidates = [w for w in self.workers.values() if self._capacity(w, task)]
+            candidates = [w for w in self.workers.values() if self._capacity(w)]
             if any(w.state is not WorkerState.STARTING for w in candidates):
                 candidates = [w for w in candidates if not self._slow(w, now)]
             if not candidates:
@@ -478,10 +478,7 @@ class Core:
             self._take_back(now)
         # When a reservation is looked at again: once its worker is slow, or once it has been
         # starting longer than tasks take (then an idle ready worker takes the task).
-        young = [w.started_at + (HOLD_FOR_STARTING_S if self.task_s is None
-                                 or self._outrun(w, now)
-                                 else min(HOLD_FOR_STARTING_S, self.task_s))
-                 for w in self.workers.values()
+        young = [self._review_at(w, now) for w in self.workers.values()
                  if w.state is WorkerState.STARTING and w.inflight and not self._slow(w, now)]
         if young:
             self.hold_deadline = min(young)
@@ -492,6 +489,11 @@ class Core:
         spawned one importing torch in ~1-2 s): no task waits for it."""
         return worker.state is WorkerState.STARTING \
             and now >= worker.started_at + HOLD_FOR_STARTING_S
+
+    def _review_at(self, worker: Worker, now: float) -> float:
+        if self.task_s is not None and not self._outrun(worker, now):
+            return worker.started_at + min(HOLD_FOR_STARTING_S, self.task_s)
+        return worker.started_at + HOLD_FOR_STARTING_S
 
     def _outrun(self, worker: Worker, now: float) -> bool:
         """Starting for longer than the pool's tasks take: a ready worker would have finished

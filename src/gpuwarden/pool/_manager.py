@@ -77,6 +77,7 @@ class _Link:
     # The last task whose loading imported modules (IMPORTED), and how long loading took.
     load_task: int | None = None
     load_s: float = 0.0
+    warmed: bool = False  # its boot named modules to import (a warm start)
 
 
 class Mailbox:
@@ -121,6 +122,7 @@ class Manager:
         # What loading tasks imported in the workers, in import order: later workers import
         # it before they are ready (a warm start, _worker.py).
         self._warm: dict[str, None] = {}
+        self._warm_off = False  # a worker died importing them: later ones start cold
         self.core = _core.Core(slots, make_error=error_of)
         self._selector = selectors.DefaultSelector()
         self._links: dict[int, _Link] = {}
@@ -278,6 +280,7 @@ class Manager:
         boot = {**self._boot, "env": dict(worker.slot.env), "index": worker.slot.index,
                 "device": worker.slot.device_label, "threads": worker.slot.threads,
                 "warm": list(self._warm)}
+        link.warmed = bool(self._warm)
         link.writer.put(_wire.Kind.BOOT, -1, _pickling.dumps_task(boot))
         self._flush(link)
         # The child's end goes to the server (closed here once sent).
@@ -337,6 +340,7 @@ class Manager:
                     # Everything the worker wrote is in its socket by now: read it before
                     # its death decides what happened to its tasks.
                     self._read_worker(link, final=True)
+                    self._warm_start_failed(link)
                 self.core.on_exit(pid, message[2])
         if messages is None or server.gone:
             returncode = server.reap(SERVER_EXIT_WAIT_S)
@@ -358,6 +362,7 @@ class Manager:
         if worker.state not in (_core.WorkerState.STOPPING, _core.WorkerState.DEAD):
             log.info("%s: %s before its exit was reported; it is killed and replaced",
                      worker.name, why)
+        self._warm_start_failed(link)
         self.core.on_lost(worker.key)
 
     def _on_frame(self, link: _Link, kind: _wire.Kind, task_id: int, payload: bytearray) -> None:
@@ -405,6 +410,19 @@ class Manager:
             error.__cause__ = cause
             core.on_init_error(worker.key, error)
 
+    def _warm_start_failed(self, link: _Link) -> None:
+        """A worker that dies while it imports what earlier tasks loaded (a module that
+        crashes a fresh process) would die again in every replacement, and three deaths in a
+        row break the pool: later workers start without the warm start, as they did before."""
+        worker = link.worker
+        if link.warmed and worker.state is _core.WorkerState.STARTING \
+                and not worker.kill_requested and not self._warm_off:
+            log.warning("%s died while importing the %d module(s) earlier tasks loaded; later "
+                        "workers import them when a task needs them", worker.name,
+                        len(self._warm))
+            self._warm_off = True
+            self._warm.clear()
+
     def _learn(self, payload: bytearray) -> float:
         """Take in an IMPORTED frame: learn the names; the seconds loading took."""
         try:
@@ -412,7 +430,7 @@ class Manager:
             load_s = max(0.0, float(load_s))
         except Exception:  # noqa: BLE001 - a hint for later workers, never a fault
             return 0.0
-        if isinstance(names, list):
+        if isinstance(names, list) and not self._warm_off:
             for name in names[:max(0, MAX_WARM_MODULES - len(self._warm))]:
                 if isinstance(name, str):
                     self._warm[name] = None
