@@ -33,7 +33,9 @@ the inner loop's unit tier.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -201,6 +203,22 @@ def until(what: str, check: Callable[[], Any], timeout_s: float = 60.0,
             return value
         assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (``64k``) mounted on the empty folder ``path`` for the
+    block, to fill up or make read-only; skips the test where it cannot be mounted."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def _alive(pid: int) -> bool:

@@ -34,7 +34,7 @@ from gpuwarden.errors import DaskWorkerDiedError  # noqa: E402
 from gpuwarden.inventory.snapshot import GPUSnapshot  # noqa: E402
 from gpuwarden.lease import acquire, list_leases  # noqa: E402
 from gpuwarden.select import Constraints  # noqa: E402
-from tests.conftest import SCENARIOS, wait_until_gone  # noqa: E402
+from tests.conftest import SCENARIOS, until, wait_until_gone  # noqa: E402
 
 # A hang guard, far above a loaded machine's times (each test may start a scheduler and
 # workers; the 120 s default ran out at load average 30-50).
@@ -539,14 +539,10 @@ def test_a_task_moved_by_work_stealing_fails_with_the_worker_it_moved_to(cluster
             blocker = client.submit(block, workers=[victim], pure=False)
             future = client.submit(moved, workers=[victim], allow_other_workers=True,
                                    pure=False)
-            deadline = time.monotonic() + 60
-            while client.run_on_scheduler(_steal, key=future.key, victim=victim,
-                                          thief=thief) in ("not yet", "in-flight"):
-                assert time.monotonic() < deadline, "the steal never ended"
-                time.sleep(0.05)
-            while not marker.exists() or not marker.read_text():
-                assert time.monotonic() < deadline, "the stolen task never started"
-                time.sleep(0.05)
+            until("the steal asked for or done", lambda: client.run_on_scheduler(
+                _steal, key=future.key, victim=victim, thief=thief) not in ("not yet",
+                                                                             "in-flight"))
+            until("the stolen task started", lambda: marker.exists() and marker.read_text())
             pid = int(marker.read_text())
             ran_on = [a for a, p in client.run(os.getpid).items() if p == pid]
             assert ran_on and ran_on[0] != victim, "the task was not moved"
@@ -586,10 +582,7 @@ def test_a_worker_whose_announcement_was_lost_still_fails_its_task_when_killed(
         worker = wait_for_worker(client, "box-b/GPU0/0")
         assert client.run_on_scheduler(_forget_announcement, address=worker)
         future = client.submit(slow, workers=[worker], allow_other_workers=True, pure=False)
-        deadline = time.monotonic() + 60
-        while not marker.exists() or not marker.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until("the task started", lambda: marker.exists() and marker.read_text())
         os.kill(int(marker.read_text()), signal.SIGKILL)
         with pytest.raises(DaskWorkerDiedError) as err:
             future.result(timeout=60)

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from tests._unix_users import User, become, made_user
-from tests.conftest import SCENARIOS, wait_until_gone
+from tests.conftest import SCENARIOS, small_tmpfs, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "launch_scripts"
@@ -173,20 +173,12 @@ def test_no_descendant_outlives_a_sigkilled_supervisor(tmp_path: Path, mallory: 
 
 @pytest.mark.timeout(120)
 def test_a_full_log_dir_is_a_warning_and_the_job_finishes(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
     logs = tmp_path / "logs"
     logs.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(logs)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
+    with small_tmpfs(logs, "128k"):
         proc = _launcher(tmp_path, "-n", "1", "--log-dir", str(logs), "--tee", "3",
                          str(SCRIPTS / "chatty.py"))
         out, err = proc.communicate(timeout=90)
-    finally:
-        subprocess.run(["umount", "-l", str(logs)], capture_output=True)
     text = err.decode()
     assert proc.returncode == 0, text
     assert "Traceback" not in text

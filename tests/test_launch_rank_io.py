@@ -29,7 +29,7 @@ from gpuwarden.cli import main
 from gpuwarden.launch.ranks.exit_records import parse_torch_error, read_torch_error
 from gpuwarden.launch.ranks.relay import Console, StreamRelay
 from gpuwarden.launch.watch import flight_recorder
-from tests.conftest import SCENARIOS
+from tests.conftest import SCENARIOS, small_tmpfs
 
 pytestmark = [pytest.mark.slow]
 
@@ -439,22 +439,14 @@ def test_a_log_file_that_fills_the_disk_in_one_write_warns(tmp_path: Path) -> No
     which fails with ENOSPC and warns, once (a real 64 KiB tmpfs)."""
     from gpuwarden.launch.ranks.relay import LogFile
 
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
     warnings: list[str] = []
-    try:
+    with small_tmpfs(disk, "64k"):
         log = LogFile(str(disk / "stdout.log"), warnings.append)
         log.write(b"x" * 200_000)
         said_at_once = list(warnings)  # by this write, not only by a later one
         log.write(b"more\n")  # not written again, not warned again
         log.close()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
     assert len(said_at_once) == 1 and "No space left on device" in said_at_once[0], warnings
     assert warnings == said_at_once

@@ -38,6 +38,7 @@ from gpuwarden.errors import LeaseDirError, LeaseTimeoutError, LeaseUnavailableE
 from gpuwarden.lease import acquire, lease, list_leases
 from tests._lease_util import F_OFD_SETLK, fork_child, kept_in_child, wait_all
 from tests._unix_users import User, as_user, holding, made_user
+from tests.conftest import small_tmpfs
 
 pytestmark = [
     pytest.mark.usefixtures("no_leftover_processes"),
@@ -943,11 +944,7 @@ def test_a_link_loop_is_a_clear_error(shared, mallory, monkeypatch):
 def test_a_read_only_file_system_is_named(shared, mallory, monkeypatch):
     ro = shared / "ro"
     ro.mkdir(mode=0o755)
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ro)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
+    with small_tmpfs(ro, "1m"):
         (ro / "leases").mkdir()
         (ro / "leases").chmod(0o1777)
         subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
@@ -965,8 +962,6 @@ def test_a_read_only_file_system_is_named(shared, mallory, monkeypatch):
 
         monkeypatch.setenv("GPUWARDEN_LEASE_DIR", str(ro / "leases"))
         assert as_user(mallory, as_other) == 0
-    finally:
-        subprocess.run(["umount", str(ro)], capture_output=True)
 
 
 @pytest.mark.usefixtures("no_leftover_processes")

@@ -16,7 +16,7 @@ from joblib import Parallel, delayed, parallel_config
 import gpuwarden  # noqa: F401 - registers the backend
 from gpuwarden.pool.joblib_backend import shutdown_reusable_pool
 from tests import pool_tasks
-from tests.conftest import wait_until_gone
+from tests.conftest import until, wait_until_gone
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -365,10 +365,8 @@ def test_alternating_n_jobs_resizes_the_warm_pool_instead_of_restarting(two_gpus
     # preloads it): they take work at once instead of importing it while the others wait.
     pool = joblib_backend._reusable["pool"]
     pool.resize(6)
-    deadline = time.monotonic() + 60  # short tasks are not held for a worker still starting
-    while sum(w.ready for w in pool.workers()) < 6:
-        assert time.monotonic() < deadline, pool.workers()
-        time.sleep(0.01)
+    # short tasks are not held for a worker still starting
+    until("six workers ready", lambda: sum(w.ready for w in pool.workers()) == 6)
     loaded = [f.result(timeout=60) for f in
               [pool.submit(pool_tasks.pid_and_loaded, "joblib.parallel", 0.05) for _ in range(18)]]
     assert all(ok for _, ok in loaded), loaded

@@ -40,6 +40,7 @@ import collections
 import contextlib
 import errno
 import os
+import select
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Protocol, TextIO
@@ -195,8 +196,6 @@ def _write_all(out: IO[bytes], data: bytes) -> None:
     while view:
         written = out.write(view)
         if written is None:  # a non-blocking descriptor, full: wait until it takes more
-            import select
-
             select.select([], [out.fileno()], [])
             continue
         view = view[written:]
