@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,10 +107,17 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-dask-"))
+    try:
+        return compare(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, tmp: Path) -> int:
     from distributed import Client
     from joblib import Parallel, delayed, parallel_config
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-dask-"))
     lease_dir = str(tmp / "leases")
     os.mkdir(lease_dir)
     names = ["gpuwarden worker", "dask worker"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -547,6 +548,8 @@ def main() -> int:
             extra = {"preload": ()} if backend == "gpuwarden" else {}
             suite[backend].append(suite_round(backend, calls, args.suite_gap_s, extra))
     reset()
+    sys.path.remove(lib_dir)
+    shutil.rmtree(lib_dir, ignore_errors=True)
     med = {b: statistics.median(v) for b, v in suite.items()}
     for backend, took in med.items():
         each = " ".join(f"{t:.2f}" for t in suite[backend])

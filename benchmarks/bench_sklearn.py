@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def run(arm: str, modules: list[str], keyword: str | None, plugin_dir: Path,
             env.get("PYTHONPATH", "")]
     env.update(BENCH_SKLEARN_BACKEND="loky" if arm == "loky" else "gpuwarden",
                GPUWARDEN_SIMULATE=str(ROOT / "tests/scenarios/two_gpu.json"),
-               GPUWARDEN_LEASE_DIR=tempfile.mkdtemp(prefix="bench-sklearn-leases-"),
+               GPUWARDEN_LEASE_DIR=tempfile.mkdtemp(prefix="leases-", dir=plugin_dir),
                PYTHONPATH=os.pathsep.join(path))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if trace is not None:
@@ -151,13 +152,22 @@ def main() -> int:
                         "`git archive main src`): a third arm, 'before'")
     args = parser.parse_args()
     try:
-        import sklearn
+        import sklearn  # noqa: F401 - present, or the benchmark cannot run
     except ImportError:
         print("bench_sklearn: scikit-learn is not installed (pip install -e '.[bench]')",
               file=sys.stderr)
         return 77
     modules = args.modules or (FULL if args.full else MODULES)
     plugin_dir = Path(tempfile.mkdtemp(prefix="bench-sklearn-"))
+    try:
+        return compare(args, modules, plugin_dir)
+    finally:
+        shutil.rmtree(plugin_dir, ignore_errors=True)  # the plugin, traces, lease folders
+
+
+def compare(args: argparse.Namespace, modules: list[str], plugin_dir: Path) -> int:
+    import sklearn
+
     (plugin_dir / "bench_sklearn_plugin.py").write_text(PLUGIN)
     traces = {arm: plugin_dir / f"trace-{arm}.jsonl" for arm in ("loky", "gpuwarden")}
     print(f"scikit-learn {sklearn.__version__}, {os.cpu_count()} CPUs, load average "
