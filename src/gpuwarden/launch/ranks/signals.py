@@ -29,8 +29,12 @@ if TYPE_CHECKING:
 
 # A signal to pass on to the ranks that the watcher does not hold (yet) is passed on after this:
 # a sender that signals a whole process tree (Slurm's proctrack/linuxproc) does it one process
-# after the other, and on a loaded machine may be scheduled out between two of them.
-NOTICE_SENDER_WAIT_S = 0.25
+# after the other, and on a loaded machine may be scheduled out between two of them — 0.25 s
+# was too short beside a CPU hog (load 12: the watcher's signal came later, the launcher passed
+# it on too, every rank's handler ran twice). A notice that reaches the launcher alone
+# (proctrack/pgid) reaches the ranks this much later: Slurm's `--signal=USR1@T` itself may come
+# up to 60 s early, a preemption notice is not to the second.
+NOTICE_SENDER_WAIT_S = 2.0
 
 
 class LauncherSignals:
