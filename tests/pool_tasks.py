@@ -17,6 +17,18 @@ def tiny(x: int) -> int:
     return x + 1
 
 
+def note_run(path: str, x: int, sleep_s: float = 0.0) -> int:
+    """Append "x pid" to ``path`` (one write, O_APPEND: lines from several workers do not mix),
+    sleep, return ``x``: which worker ran which task, and how many times."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{x} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+    time.sleep(sleep_s)
+    return x
+
+
 def pid_and_loaded(module: str, delay_s: float = 0.0) -> tuple[int, bool]:
     """Whether ``module`` was loaded in this worker before this task (which imports nothing)."""
     time.sleep(delay_s)

@@ -468,3 +468,35 @@ def test_a_worker_that_dies_in_its_warm_start_leaves_later_ones_starting_cold(
                 [pool.submit(pool_tasks.meet_then_report, str(tmp_path / "met"), 2, "x")
                  for _ in range(2)]}
     assert len(pids) == 2
+
+
+def test_tasks_taken_back_from_behind_running_ones_run_exactly_once(
+        two_gpus, no_leftover_processes, tmp_path: Path) -> None:
+    """Tiny tasks are pipelined behind running ones and taken back by workers that go idle
+    first; the claim decides who runs a task when the busy worker reaches it at the same
+    moment. Bursts of tiny tasks of uneven length make that moment happen again and again:
+    every task runs once, in one worker, and its future has its result."""
+    import random
+
+    from tests import pool_tasks
+
+    log = tmp_path / "runs.log"
+    rng = random.Random(7)
+    expected: list[int] = []
+    with GPUPool(max_workers=4, workers_per_gpu=None, preload=()) as pool:
+        for f in [pool.submit(pool_tasks.tiny, i) for i in range(300)]:
+            f.result(timeout=60)  # tiny tasks: the pool pipelines
+        manager = pool._manager
+        bursts = 0
+        while bursts < 30 or (manager.taken_back < 20 and bursts < 300):
+            bursts += 1
+            ids = range(len(expected), len(expected) + rng.randint(5, 40))
+            futures = [pool.submit(pool_tasks.note_run, str(log), i, rng.choice((0, 0, 0.002)))
+                       for i in ids]
+            assert [f.result(timeout=60) for f in futures] == list(ids)
+            expected.extend(ids)
+        taken_back = manager.taken_back
+    ran = Counter(int(line.split()[0]) for line in log.read_text().splitlines())
+    assert sorted(ran) == expected and set(ran.values()) == {1}, \
+        {i: n for i, n in ran.items() if n != 1}
+    assert taken_back > 0, f"no task was taken back in {bursts} bursts: the test proves nothing"

@@ -23,6 +23,7 @@ from gpuwarden.pool._core import (
     StopWorker,
     Task,
     TaskState,
+    Withdraw,
     WorkerState,
 )
 from gpuwarden.pool.plan import plan_slots
@@ -51,6 +52,7 @@ class Harness:
         self.settled: dict[int, list[str]] = {}
         self.tasks: list[Task] = []
         self.pids = iter(range(1000, 100000))
+        self.withdraws: list[Withdraw] = []  # asked, not yet answered with on_withdraw
         self.core.start()
         self.take()
 
@@ -68,6 +70,8 @@ class Harness:
                 self.settled.setdefault(action.task.id, []).append(
                     "cancelled" if action.cancel else
                     getattr(action.value, "kind", "error") if action.failed else "result")
+            elif isinstance(action, Withdraw):
+                self.withdraws.append(action)
         return actions
 
     def start_all(self) -> None:
@@ -91,31 +95,129 @@ class Harness:
         return self.core.workers[task.worker]  # type: ignore[index]
 
 
-def test_a_worker_killed_while_running_fails_that_task_and_the_queue_goes_on() -> None:
+def test_a_worker_killed_while_running_fails_that_task_and_requeues_the_pipelined_one() -> None:
     h = Harness(workers=1, gpus=1)
     h.start_all()
-    h.core.task_s = 0.001  # tiny tasks: still, none is sent to a busy worker (no pipelining)
+    h.core.task_s = 0.001  # tiny tasks: a second one is pipelined behind the first
     first, second, third = h.submit(3)
     w = h.worker_of(first)
-    assert [t.id for t in w.inflight] == [first.id]
-    assert [t.id for t in h.core.queue] == [second.id, third.id]
+    assert [t.id for t in w.inflight] == [first.id, second.id]
     h.core.on_started(w.key, first.id)
     h.core.on_exit(w.pid, -9)
     actions = h.take()
     assert h.settled == {first.id: ["died"]}
-    assert first.state is TaskState.FAILED and second.requeues == 0
-    # The replacement, still starting, reserves the next one in order.
+    assert first.state is TaskState.FAILED and second.requeues == 1
+    # Back at the head of the queue, in order: the replacement, still starting, reserves it.
     replacement = next(a.worker for a in actions if isinstance(a, StartWorker))
     assert [t.id for t in replacement.inflight] == [second.id]
     assert second.state is TaskState.RESERVED and [t.id for t in h.core.queue] == [third.id]
     assert not any(isinstance(a, SendTask) and a.task is second for a in actions)
     h.start_all()
     new = h.worker_of(second)
-    assert second.future_running and second.state is TaskState.SENT  # set running once
+    assert second.future_running and second.state is TaskState.SENT  # not set running twice
     h.core.on_started(new.key, second.id)
     h.core.on_result(new.key, second.id, 2, failed=False)
     h.take()
     assert second.future.result() == 2
+
+
+def pipelined_behind_a_running_task() -> tuple[Harness, Task, Task, Task]:
+    """Two ready workers on one GPU, tiny tasks: a and b run, c is pipelined behind one of
+    them; then b's worker finishes and goes idle with nothing queued."""
+    h = Harness(workers=2, gpus=1)
+    h.start_all()
+    h.core.task_s = 0.001
+    a, b, c = h.submit(3)
+    busy = h.worker_of(c)
+    assert [t.id for t in busy.inflight][1:] == [c.id] and c.state is TaskState.SENT
+    first = busy.inflight[0]
+    other = b if first is a else a
+    h.core.on_started(busy.key, first.id)
+    h.core.on_started(h.worker_of(other).key, other.id)
+    h.core.on_result(h.worker_of(other).key, other.id, other.id, failed=False)
+    h.take()
+    return h, first, other, c
+
+
+def test_a_pipelined_task_is_sent_behind_and_must_be_claimed() -> None:
+    h = Harness(workers=1, gpus=1)
+    h.start_all()
+    h.core.task_s = 0.001
+    a, b, c = [Task(i, Future(), b"x", f"t{i}") for i in range(3)]
+    h.tasks.extend((a, b, c))
+    for t in (a, b, c):
+        h.core.submit(t)
+    sends = [x for x in h.take() if isinstance(x, SendTask)]
+    w = h.worker_of(a)
+    assert [(x.task, x.behind) for x in sends] == [(a, False), (b, True)]
+    assert [t.id for t in w.inflight] == [a.id, b.id] and [t.id for t in h.core.queue] == [c.id]
+    h.core.task_s = 0.5  # slower tasks: none is pipelined any more
+    h.core.on_started(w.key, a.id)
+    h.core.on_result(w.key, a.id, 1, failed=False)
+    h.take()
+    assert [t.id for t in w.inflight] == [b.id] and [t.id for t in h.core.queue] == [c.id]
+
+
+def test_an_idle_worker_takes_back_a_task_waiting_behind_a_running_one() -> None:
+    h, first, _, c = pipelined_behind_a_running_task()
+    busy = h.worker_of(first)
+    (ask,) = h.withdraws
+    assert ask.worker is busy and ask.task is c and c.withdrawing
+    assert h.core.on_withdraw(busy.key, c.id, ask.claim, claimed=True)
+    sends = [x for x in h.take() if isinstance(x, SendTask)]
+    idle = next(w for w in h.core.workers.values() if w is not busy)
+    # The idle worker runs it now, as an ordinary task; the busy one keeps its running task.
+    assert [(x.worker, x.task, x.behind) for x in sends] == [(idle, c, False)]
+    assert [t.id for t in busy.inflight] == [first.id] and not c.withdrawing
+    assert c.requeues == 0 and c.state is TaskState.SENT
+
+
+def test_a_task_its_worker_claimed_first_stays_with_it() -> None:
+    h, first, _, c = pipelined_behind_a_running_task()
+    busy = h.worker_of(first)
+    # The worker finished the first task and claimed c: the claim failed, or succeeded after
+    # the worker let go — then its STARTED was read before the core decides.
+    h.core.on_result(busy.key, first.id, 1, failed=False)
+    assert not h.core.on_withdraw(busy.key, c.id, c.claim, claimed=False)
+    assert [t.id for t in busy.inflight] == [c.id] and not c.withdrawing
+    h.core.on_started(busy.key, c.id)
+    assert not h.core.on_withdraw(busy.key, c.id, c.claim, claimed=True)  # RUNNING: started
+    h.core.on_result(busy.key, c.id, 3, failed=False)
+    h.take()
+    assert h.settled[c.id] == ["result"] and not any(isinstance(x, SendTask) and x.task is c
+                                                     for x in h.take())
+
+
+def test_a_pipelined_task_its_worker_skipped_runs_elsewhere() -> None:
+    h, first, _, c = pipelined_behind_a_running_task()
+    busy = h.worker_of(first)
+    # A claim file a task closed: the worker cannot claim and skips; the task is not lost.
+    claim = c.claim
+    h.core.on_skipped(busy.key, c.id, claim)
+    sends = [x for x in h.take() if isinstance(x, SendTask)]
+    assert [x.task for x in sends] == [c] and sends[0].worker is not busy
+    assert not h.core.on_withdraw(busy.key, c.id, claim, claimed=True)  # the late answer: nothing
+
+
+def test_a_task_sent_behind_again_has_a_new_claim_the_old_copys_answers_do_not_touch() -> None:
+    """Taken back from behind a long task, then (the idle worker busy again meanwhile) sent
+    behind the same long task once more: its worker's socket holds two copies. The first
+    copy's claim stays the pool's until the worker skips it; the second has its own."""
+    h, first, _, c = pipelined_behind_a_running_task()
+    busy = h.worker_of(first)
+    old = c.claim
+    idle = next(w for w in h.core.workers.values() if w is not busy)
+    h.core.submit(d := Task(10, Future(), b"x", "t10"))  # the idle worker takes d first
+    h.take()
+    assert h.worker_of(d) is idle
+    assert h.core.on_withdraw(busy.key, c.id, old, claimed=True)
+    sends = [x for x in h.take() if isinstance(x, SendTask)]
+    assert [(x.task, x.behind) for x in sends] == [(c, True)] and c.claim not in (0, old)
+    # The old copy's skip (the manager keeps it when the claim was its own; a skip the
+    # worker made for a claim file it could not use) never moves the new copy.
+    h.core.on_skipped(sends[0].worker.key, c.id, old)
+    assert not h.core.on_withdraw(sends[0].worker.key, c.id, old, claimed=True)
+    assert c.state is TaskState.SENT and c in sends[0].worker.inflight
 
 
 def test_a_worker_killed_before_it_reads_its_task_requeues_it() -> None:
@@ -419,7 +521,7 @@ def test_finish_leaves_nothing_unresolved() -> None:
     assert all(t.future.done() for t in tasks)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(80))
 def test_random_faults_resolve_every_task_exactly_once(seed: int) -> None:
     """Random interleavings of starts, results, deaths, server deaths, resizes and shutdown:
     every future settles exactly once (a second set_* raises InvalidStateError), and once
@@ -428,13 +530,20 @@ def test_random_faults_resolve_every_task_exactly_once(seed: int) -> None:
     now = [0.0]
     h = Harness(workers=rng.randint(1, 4), gpus=rng.randint(1, 2))
     h.core.clock = lambda: now[0]
+    tiny = rng.random() < 0.5  # tasks pipelined behind running ones, and taken back
     h.core.task_s = rng.choice([None, 0.001])
-    for _step in range(rng.randint(30, 120)):
+    steps = rng.randint(30, 120)
+    for step in range(steps + 150):
         now[0] += rng.choice([0.0, 0.5, 2.0])
+        if tiny:
+            h.core.task_s = 0.001
         if h.core.hold_deadline is not None and now[0] >= h.core.hold_deadline:
             h.core.dispatch()
         live = list(h.core.workers.values())
-        roll = rng.random()
+        # Then the tail, nothing submitted: workers fall idle while others still have tasks
+        # pipelined behind running ones — where tasks are taken back.
+        roll = rng.random() if step < steps else \
+            rng.uniform(0.25, 0.45) if rng.random() < 0.7 else rng.uniform(0.63, 0.72)
         if roll < 0.25:
             h.submit(rng.randint(1, 3))
         elif roll < 0.45 and live:
@@ -464,12 +573,25 @@ def test_random_faults_resolve_every_task_exactly_once(seed: int) -> None:
                             deadline=None)
         elif roll < 0.63:
             h.core.on_deadline()
+        elif roll < 0.70 and h.withdraws:
+            ask = h.withdraws.pop(rng.randrange(len(h.withdraws)))
+            h.core.on_withdraw(ask.worker.key, ask.task.id, ask.claim,
+                               claimed=rng.random() < 0.6)
+        elif roll < 0.72 and live:
+            w = rng.choice(live)
+            if w.inflight and w.inflight[-1].state is TaskState.SENT and w.inflight[-1].claim:
+                h.core.on_skipped(w.key, w.inflight[-1].id, w.inflight[-1].claim)
         for action in h.core.actions:
             # A worker the pool decided to kill never gets a task (it would fail with it).
             assert not (isinstance(action, SendTask) and action.worker.kill_requested), action
         h.take()
         for t in h.tasks:
             assert len(h.settled.get(t.id, [])) <= 1, (t.id, h.settled[t.id])
+        # A task is in one place at a time: the queue or one worker's (a task taken back from
+        # behind a running one is nowhere else).
+        places = [t.id for t in h.core.queue] + [
+            t.id for w in h.core.workers.values() for t in w.inflight]
+        assert len(places) == len(set(places)), places
     h.core.finish()
     h.take()
     for t in h.tasks:

@@ -8,7 +8,8 @@ future). Futures are resolved by the manager after the event, never inside it an
 under a lock, so a done-callback may call back into the pool.
 
 Task: QUEUED [-> RESERVED] -> SENT -> RUNNING -> DONE | FAILED, or back to QUEUED (requeued)
-when its worker died before starting it; CANCELLED when cancelled or shut down before it was
+when its worker died before starting it, or when the pool took it back from behind a running
+task (a claim, :meth:`Core.on_withdraw`); CANCELLED when cancelled or shut down before it was
 sent.
 Worker: STARTING -> READY <-> BUSY -> DEAD (its slot gets a replacement), or RETIRING /
 STOPPING (no new task; stops once its tasks are done) -> DEAD.
@@ -40,11 +41,15 @@ MAX_START_FAILURES = 3
 # A task whose worker died before starting it is requeued; after this many such deaths it
 # fails instead (a payload that kills whoever reads it must not go round forever).
 MAX_REQUEUES = 3
-# No task is sent to a worker that is running one (no pipelining): a task sent behind a running
-# one waits for it, and no task's length is known before it ends — after many tiny tasks, a 30 s
-# one held a tiny one behind it for 30 s while the other worker idled (joblib's
-# test_parallel_unordered_generator_returns_fastest_first, beside a CPU hog). Pipelining saved
-# ~15 us per tiny task; a task taken back from a busy worker's socket could run twice.
+# Pipelining: a second task may be sent to a worker running one, to hide the round trip of
+# tiny tasks (~15 us of ~80 per task) — only when the pool's tasks have been finishing in under
+# PIPELINE_BELOW_S and the payload sits in the socket buffer. No task's length is known before
+# it ends: after many tiny tasks a 30 s one held a tiny one behind it while the other worker
+# idled (joblib's test_parallel_unordered_generator_returns_fastest_first, beside a CPU hog).
+# So a worker that goes idle takes back a task waiting behind a running one (Withdraw): the
+# task's claim (_worker.py) decides atomically whether the busy worker started it first.
+PIPELINE_BELOW_S = 0.005
+PIPELINE_MAX_BYTES = 32 * 1024
 # Workers told to stop get this long to exit before they are killed.
 STOP_GRACE_S = 3.0
 # A worker still starting may reserve a task when it sits on a less loaded GPU (spreading
@@ -95,6 +100,10 @@ class Task:
     requeues: int = 0
     future_running: bool = False  # set_running_or_notify_cancel() done (once, ever)
     sent_at: float = 0.0
+    withdrawing: bool = False  # a Withdraw is out for it (one at a time)
+    # The claim of its latest send behind a running task (0: none): each such send has its
+    # own, so a copy left in one worker's socket never shares a claim with a later copy.
+    claim: int = 0
 
 
 @dataclass(eq=False)
@@ -125,6 +134,17 @@ class StartWorker:
 class SendTask:
     worker: Worker
     task: Task
+    behind: bool = False  # the worker runs another task: it must claim this one (TASK_BEHIND)
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """Take ``claim`` of ``task``, pipelined behind the running task of ``worker``, read what
+    the worker sent, and report with :meth:`Core.on_withdraw` (always, whatever happened)."""
+
+    worker: Worker
+    task: Task
+    claim: int
 
 
 @dataclass(frozen=True)
@@ -162,7 +182,7 @@ class Resolve:
     notify: bool = False
 
 
-Action = StartWorker | SendTask | StopWorker | KillWorker | StartServer | KillServer | Resolve
+Action = StartWorker | SendTask | Withdraw | StopWorker | KillWorker | StartServer | KillServer | Resolve
 
 
 # Named errors are made by the caller of Core (it knows the exception classes and the
@@ -200,6 +220,7 @@ class Core:
         self.task_s: float | None = None  # recent task time (EWMA): how long a reservation may wait
         self.actions: list[Action] = []
         self._keys = itertools.count()
+        self._claims = itertools.count(1)
 
     # -- start ---------------------------------------------------------------------------
 
@@ -329,6 +350,48 @@ class Core:
         self.dispatch()
         self._maybe_stop()
 
+    def on_withdraw(self, key: int, task_id: int, claim: int, claimed: bool) -> bool:
+        """The manager took (``claimed``) or failed to take ``claim`` of a task pipelined to
+        worker ``key``, and has read everything the worker sent since. A task claimed and
+        still SENT was not started (a worker that claims first says STARTED before it lets the
+        claim go): it goes back to the head of the queue. True when it did."""
+        task = self._sent_behind(key, task_id, claim)
+        if task is None:
+            return False  # finished, or its worker died meanwhile (the death requeued it)
+        task.withdrawing = False
+        if not claimed or task.state is not TaskState.SENT:
+            return False
+        self._take_off(self.workers[key], task)
+        return True
+
+    def on_skipped(self, key: int, task_id: int, claim: int) -> None:
+        """The worker did not run a pipelined task whose ``claim`` it could not take, and the
+        pool had not taken it back: the worker's claim file is unusable (a task closed it). The
+        task runs elsewhere."""
+        task = self._sent_behind(key, task_id, claim)
+        if task is not None and task.state is TaskState.SENT:
+            task.withdrawing = False
+            self._take_off(self.workers[key], task)
+
+    def _sent_behind(self, key: int, task_id: int, claim: int) -> Task | None:
+        """The task of that send, if it is still the task's latest, on that live worker."""
+        worker = self.workers.get(key)
+        if worker is None:
+            return None
+        return next((t for t in worker.inflight if t.id == task_id and t.claim == claim), None)
+
+    def _take_off(self, worker: Worker, task: Task) -> None:
+        worker.inflight.remove(task)
+        task.state, task.worker = TaskState.QUEUED, None
+        self.queue.appendleft(task)
+        if not worker.inflight:
+            if worker.state is WorkerState.BUSY:
+                worker.state = WorkerState.READY
+            elif worker.state is WorkerState.RETIRING:
+                self._stop(worker)
+        self.dispatch()
+        self._maybe_stop()
+
     def on_lost(self, key: int) -> None:
         """The worker's socket ended (or broke) before its exit was reported: it cannot be
         used any more; kill it and let its exit report decide its tasks."""
@@ -427,13 +490,16 @@ class Core:
     def _wanted(self, slot: WorkerSlot) -> bool:
         return self.phase is Phase.RUNNING or (self.phase is Phase.DRAINING and bool(self.queue))
 
-    def _capacity(self, worker: Worker) -> bool:
+    def _capacity(self, worker: Worker, task: Task) -> bool:
         if worker.kill_requested:
             return False  # about to die: what it took would fail with it
         if worker.state is WorkerState.READY:
             return True
-        # One task may be reserved by a worker still starting; none goes to a busy one.
-        return worker.state is WorkerState.STARTING and not worker.inflight
+        if worker.state is WorkerState.STARTING:
+            return not worker.inflight  # one task may be reserved by a worker still starting
+        return (worker.state is WorkerState.BUSY and len(worker.inflight) == 1
+                and self.task_s is not None and self.task_s < PIPELINE_BELOW_S
+                and len(task.payload) <= PIPELINE_MAX_BYTES)
 
     def _load(self) -> collections.Counter[str]:
         load: collections.Counter[str] = collections.Counter()
@@ -455,7 +521,7 @@ class Core:
         now = self.clock()
         while self.queue:
             task = self.queue[0]
-            candidates = [w for w in self.workers.values() if self._capacity(w)]
+            candidates = [w for w in self.workers.values() if self._capacity(w, task)]
             if any(w.state is not WorkerState.STARTING for w in candidates):
                 candidates = [w for w in candidates if not self._slow(w, now)]
             if not candidates:
@@ -476,6 +542,7 @@ class Core:
             self._give(worker, task)
         if not self.queue:
             self._take_back(now)
+            self._withdraw_behind()
         # When a reservation is looked at again: once its worker is slow, or once it has been
         # starting longer than tasks take (then an idle ready worker takes the task).
         young = [self._review_at(w, now) for w in self.workers.values()
@@ -507,9 +574,11 @@ class Core:
         if worker.state is WorkerState.STARTING:
             task.state = TaskState.RESERVED
             return
+        behind = worker.state is WorkerState.BUSY
+        task.claim = next(self._claims) if behind else 0
         task.state = TaskState.SENT
         worker.state = WorkerState.BUSY
-        self.actions.append(SendTask(worker, task))
+        self.actions.append(SendTask(worker, task, behind=behind))
 
     def _take_back(self, now: float) -> None:
         """An idle ready worker runs a task a starting worker reserved, when moving it leaves
@@ -527,6 +596,20 @@ class Core:
                 return
             starting = min(waiting, key=lambda w: w.inflight[0].sent_at)
             self._give(idle, starting.inflight.popleft())
+
+    def _withdraw_behind(self) -> None:
+        """Each idle ready worker asks for one task pipelined behind a running one, the
+        longest waiting first: the running task may be long, and the idle worker can start
+        the waiting one now. The claim decides (:meth:`on_withdraw`)."""
+        idle = sum(1 for w in self.workers.values()
+                   if w.state is WorkerState.READY and not w.inflight and not w.kill_requested)
+        if not idle:
+            return
+        behind = [(w, w.inflight[-1]) for w in self.workers.values() if len(w.inflight) > 1
+                  and w.inflight[-1].state is TaskState.SENT and not w.inflight[-1].withdrawing]
+        for worker, task in sorted(behind, key=lambda wt: wt[1].sent_at)[:idle]:
+            task.withdrawing = True
+            self.actions.append(Withdraw(worker, task, task.claim))
 
     def _dead(self, worker: Worker, returncode: int | None, *, server: bool = False,
               replace: bool = True, detail: str = "") -> None:
@@ -549,6 +632,7 @@ class Core:
             else:
                 task.state = TaskState.QUEUED
                 task.worker = None
+                task.withdrawing = False  # the Withdraw out for it finds it gone
                 requeued.append(task)
         self.queue.extendleft(reversed(requeued))
         if was is WorkerState.STARTING and self.broken is None and not server \

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import logging
 import os
 import selectors
@@ -78,6 +79,9 @@ class _Link:
     load_task: int | None = None
     load_s: float = 0.0
     warmed: bool = False  # its boot named modules to import (a warm start)
+    # The claims of tasks taken back from behind its running task: held until the worker says
+    # it skipped them (or is gone), so that it never runs them.
+    withdrawn: set[int] = field(default_factory=set)
 
 
 class Mailbox:
@@ -124,6 +128,10 @@ class Manager:
         self._warm: dict[str, None] = {}
         self._warm_off = False  # a worker died importing them: later ones start cold
         self.core = _core.Core(slots, make_error=error_of)
+        # One byte per task of a file only this pool's processes hold: the claim that decides
+        # whether a pipelined task runs on its worker or is taken back (_worker.py).
+        self._claims = os.memfd_create("gpuwarden-pool-claims", os.MFD_CLOEXEC)
+        self.taken_back = 0  # tasks taken back from behind running ones (for tests, benchmarks)
         self._selector = selectors.DefaultSelector()
         self._links: dict[int, _Link] = {}
         self.server: ServerLink | None = None
@@ -197,8 +205,15 @@ class Manager:
                 elif isinstance(action, _core.SendTask):
                     link = self._links.get(action.worker.key)
                     if link is not None:
-                        link.writer.put(_wire.Kind.TASK, action.task.id, action.task.payload)
+                        task = action.task
+                        if action.behind:  # its claim first (the payload is at most 32 KiB)
+                            link.writer.put(_wire.Kind.TASK_BEHIND, task.id,
+                                            _wire.CLAIM.pack(task.claim) + task.payload)
+                        else:
+                            link.writer.put(_wire.Kind.TASK, task.id, task.payload)
                         self._flush(link)
+                elif isinstance(action, _core.Withdraw):
+                    self._withdraw(action.worker, action.task.id, action.claim)
                 elif isinstance(action, _core.StartWorker):
                     self._start_worker(action.worker)
                 elif isinstance(action, _core.StopWorker):
@@ -281,10 +296,29 @@ class Manager:
                 "device": worker.slot.device_label, "threads": worker.slot.threads,
                 "warm": list(self._warm)}
         link.warmed = bool(self._warm)
+        # The claim file first, on the fresh socket's first byte (it cannot block).
+        socket.send_fds(parent, [b"C"], [self._claims])
         link.writer.put(_wire.Kind.BOOT, -1, _pickling.dumps_task(boot))
         self._flush(link)
         # The child's end goes to the server (closed here once sent).
         server.send(("spawn", worker.key, dict(worker.slot.env)), [child.detach()])
+
+    def _withdraw(self, worker: Worker, task_id: int, claim: int) -> None:
+        """Take back a task pipelined to ``worker`` if the worker has not claimed it. Once
+        the claim is ours, everything the worker sent is in its socket: a STARTED for the task
+        there means it claimed first (and let go after); read it all before the core decides."""
+        link = self._links.get(worker.key)
+        claimed = link is not None and _lock(self._claims, claim)
+        if link is not None and claimed:
+            self._read_worker(link)
+            while link.reader.more:
+                self._read_worker(link)
+        if self.core.on_withdraw(worker.key, task_id, claim, claimed):
+            assert link is not None
+            link.withdrawn.add(claim)
+            self.taken_back += 1
+        elif claimed:
+            _unlock(self._claims, claim)
 
     def _registered(self, sock: socket.socket) -> bool:
         try:
@@ -392,6 +426,13 @@ class Manager:
                 value.__cause__ = load_error
             load_s = link.load_s if link.load_task == task_id else 0.0
             core.on_result(worker.key, task_id, value, failed=failed, load_s=load_s)
+        elif kind is _wire.Kind.SKIPPED:
+            (claim,) = _wire.CLAIM.unpack(payload)
+            if claim in link.withdrawn:  # taken back: the claim has done its work
+                link.withdrawn.discard(claim)
+                _unlock(self._claims, claim)
+            else:
+                core.on_skipped(worker.key, task_id, claim)
         elif kind is _wire.Kind.IMPORTED:
             link.load_task, link.load_s = task_id, self._learn(payload)
         elif kind is _wire.Kind.READY:
@@ -442,6 +483,8 @@ class Manager:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(link.sock)
             link.sock.close()
+            for claim in link.withdrawn:  # a dead worker runs nothing
+                _unlock(self._claims, claim)
 
     def _close(self) -> None:
         """Resolve what is left, stop the server (it kills everything under it), release."""
@@ -467,11 +510,12 @@ class Manager:
         self._links.clear()
         self._selector.close()
         os.close(box.wake_r)
+        os.close(self._claims)
         self._on_closed()
 
     def close_in_child(self) -> None:
         """After fork, in the child: the parent's descriptors are not the child's to use."""
-        for fd in (self._box.wake_r, self._box.wake_w):
+        for fd in (self._box.wake_r, self._box.wake_w, self._claims):
             with contextlib.suppress(OSError):
                 os.close(fd)
         for link in self._links.values():
@@ -535,6 +579,19 @@ def error_of(fault: Fault) -> BaseException:
                        "worker died before starting it)"}[fault.kind]
     return PoolBrokenError(f"task {task.id} ({task.description}) did not finish: {why}",
                            fix="give shutdown() a longer timeout_s, or let it wait")
+
+
+def _lock(fd: int, claim: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, claim)
+        return True
+    except OSError:
+        return False  # the worker holds it: it is starting the task
+
+
+def _unlock(fd: int, claim: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, claim)
 
 
 def _is_load_error(value: Any) -> bool:

@@ -20,6 +20,8 @@ import struct
 from enum import IntEnum
 
 HEADER = struct.Struct("<QqB")  # payload bytes, task id (-1: none), kind
+# A TASK_BEHIND's payload and a SKIPPED's begin with the send's claim (_worker.py).
+CLAIM = struct.Struct("<Q")
 # Below this the header and payload go out in one send; above, in two (no copy of the payload).
 COALESCE_BYTES = 1 << 16
 # One read call per worker and wake-up takes at most this much: a worker sending a large
@@ -35,6 +37,11 @@ class Kind(IntEnum):
     BOOT = 1
     TASK = 2
     STOP = 3
+    # A task sent to a worker still running another (pipelined); payload: the send's claim,
+    # then the task. The worker runs it only if it takes the claim first (a byte of the pool's
+    # claim file, _worker.py); the pool takes it back by taking the claim itself. Without the
+    # claim, taking it back could run it twice.
+    TASK_BEHIND = 4
     # worker -> parent
     READY = 10       # preload, memory cap and initializer done; payload: notes (pickled list)
     INIT_ERROR = 11  # payload: the pickled exception (with the worker's traceback)
@@ -45,6 +52,7 @@ class Kind(IntEnum):
     # (seconds loading took, their names) pickled. The pool's next workers import them before
     # they are READY; the import's time is not counted as the task's.
     IMPORTED = 15
+    SKIPPED = 16     # a TASK_BEHIND whose claim the worker could not take: not run; payload: the claim
 
 
 def frame(kind: Kind, task_id: int, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
@@ -100,6 +108,7 @@ class FrameReader:
         self._task_id = 0
         self.eof = False
         self.error: OSError | None = None
+        self.more = False  # the last read stopped at its budget: the socket may hold more
 
     @property
     def partial(self) -> bool:
@@ -141,6 +150,7 @@ class FrameReader:
                 self.eof = exc.errno in GONE  # ECONNRESET and the like: the worker is gone
                 self.error = exc
                 break
+        self.more = budget <= 0 and not self.eof
         return frames
 
 

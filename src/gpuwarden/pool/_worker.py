@@ -7,12 +7,21 @@ initializes, later, in a task) or exec'd as ``python -m gpuwarden.pool._worker F
 (``spawn``: the environment, CUDA_VISIBLE_DEVICES included, is fixed before the interpreter
 imports anything).
 
-On the worker's socket (frames of ``_wire.py``): the pool sends BOOT, then TASK frames, or
+On the worker's socket (frames of ``_wire.py``): first one byte carrying the pool's claim file
+(a descriptor, SCM_RIGHTS), then the pool sends BOOT, then TASK or TASK_BEHIND frames, or
 STOP; the worker answers READY (or INIT_ERROR), then for each task STARTED as soon as it has
 read it — before anything of the task is unpickled or run, so that the pool knows exactly
 which task a death interrupted — then IMPORTED when loading the task imported modules, then
 RESULT or ERROR. stdout and stderr are flushed after each task, so a task's output is not lost
 with a worker that dies later.
+
+Claims: a TASK_BEHIND was sent while this worker ran another task (tiny tasks are pipelined to
+hide the round trip), and the pool takes it back when another worker goes idle first — the
+running task may be long. Who runs it is decided by one ``fcntl`` lock on a byte of the claim
+file, its offset the send's claim (a number of its own for every such send, at the head of the
+payload, so that a copy left in a socket never shares one with a later copy of the task): the worker takes it before STARTED and lets it go after; the pool takes it to
+take the task back, and then reads what the worker sent — a STARTED there means the worker was
+first. A worker that cannot claim the task answers SKIPPED and never runs it.
 
 Warm start: a worker started later in a pool's life (a resize, a replacement) would pay for
 the imports its first task needs while holding that task — scikit-learn's modules take a
@@ -26,6 +35,7 @@ pool's dispatch sends tasks to the ready workers.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import logging
 import multiprocessing
@@ -39,7 +49,7 @@ import warnings
 from typing import Any
 
 from gpuwarden.pool import _pickling
-from gpuwarden.pool._wire import Kind, recv_frame, send_frame
+from gpuwarden.pool._wire import CLAIM, Kind, recv_frame, send_frame
 from gpuwarden.procs import die_with_parent
 
 
@@ -47,6 +57,14 @@ def serve(sock: socket.socket) -> int:
     """Run the worker loop until told to stop or the pool goes away; the exit code."""
     # Ctrl-C is for the caller (the worker is in a process group of its own anyway).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    except OSError:
+        return 0
+    claims = fds[0] if fds else -1
+    if fds:
+        os.set_inheritable(claims, False)  # not for what a task starts
+    claims_id = _file_id(claims)
     first = recv_frame(sock)
     if first is None or first[0] is not Kind.BOOT:
         return 0
@@ -76,7 +94,17 @@ def serve(sock: socket.socket) -> int:
         if message is None or message[0] is Kind.STOP:
             return 0  # stopped, or the pool's process is gone: nobody wants results
         kind, task_id, payload = message
-        send_frame(sock, Kind.STARTED, task_id)
+        if kind is Kind.TASK_BEHIND:
+            claim_bytes = bytes(payload[:CLAIM.size])
+            (claim,) = CLAIM.unpack(claim_bytes)
+            if not _claim(claims, claims_id, claim):
+                send_frame(sock, Kind.SKIPPED, task_id, claim_bytes)
+                continue
+            send_frame(sock, Kind.STARTED, task_id)
+            _unclaim(claims, claim)  # STARTED is in the socket: the pool's own claim sees it
+            del payload[:CLAIM.size]
+        else:
+            send_frame(sock, Kind.STARTED, task_id)
         reply_kind, reply, imported = _run(payload, name)
         del payload, message
         if imported:
@@ -88,6 +116,34 @@ def serve(sock: socket.socket) -> int:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
+
+
+def _file_id(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _claim(claims: int, claims_id: tuple[int, int] | None, claim: int) -> bool:
+    """Take the claim's byte of the claim file; False when the pool has it (it took the task
+    back), or when the file is not usable (a task closed its descriptor, maybe reused for
+    another file): the pool then runs the task elsewhere."""
+    if claims_id is None or _file_id(claims) != claims_id:
+        return False
+    try:
+        fcntl.lockf(claims, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, claim)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _unclaim(claims: int, claim: int) -> None:
+    try:
+        fcntl.lockf(claims, fcntl.LOCK_UN, 1, claim)
+    except (OSError, ValueError):
+        pass  # the file was closed by a task: the lock went with it
 
 
 def _start(boot: dict[str, Any]) -> list[str]:
