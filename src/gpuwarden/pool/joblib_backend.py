@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -57,6 +58,10 @@ IDLE_WORKER_TIMEOUT_S = 10.0
 PARKED_WORKER_TIMEOUT_S = 300.0
 # The module every task of this backend needs in its worker (preloaded by the fork server).
 JOBLIB_PRELOAD = "joblib.parallel"
+# How long the answer to "could a new pool get more GPUs than the warm one holds?" is kept
+# (_other_gpus).
+OTHER_GPUS_TTL_S = 2.0
+_other_gpus_seen: dict[int, tuple[Any, float, int]] = {}
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
 # configure()); joblib's own defaults apply when a caller gives none.
 _MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
@@ -189,11 +194,24 @@ def _fits(pool: GPUPool, n_workers: int, pool_kwargs: dict[str, Any], *, shared:
     if shared or not pool.gpus or n_workers <= len(pool.gpus) \
             or pool_kwargs.get("gpus", "auto") != "auto":
         return True
+    return _other_gpus(pool, pool_kwargs) == 0
+
+
+def _other_gpus(pool: GPUPool, pool_kwargs: dict[str, Any]) -> int:
+    """GPUs a new pool could take beside ``pool``'s, asked again after :data:`OTHER_GPUS_TTL_S`:
+    the answer (NVML and the leases: ~1 ms) only decides whether a call grows the warm pool or
+    makes one over more GPUs, and scikit-learn's tests make hundreds of calls a second."""
     from gpuwarden.pool.gpus import usable_gpu_count
 
+    now = time.monotonic()
+    cached = _other_gpus_seen.get(id(pool))
+    if cached is not None and cached[0] is pool and now - cached[1] < OTHER_GPUS_TTL_S:
+        return cached[2]
     others = usable_gpu_count("auto", inventory=pool_kwargs.get("inventory"),
                               allow_shared=bool(pool_kwargs.get("allow_shared", False)))
-    return others == 0
+    _other_gpus_seen.clear()  # one pool's answer is kept: the warm one's
+    _other_gpus_seen[id(pool)] = (pool, now, others)
+    return others
 
 
 def _done_with(pool: GPUPool, idle_s: float) -> None:
