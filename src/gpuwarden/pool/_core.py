@@ -342,13 +342,7 @@ class Core:
         self.task_s = elapsed if self.task_s is None else 0.8 * self.task_s + 0.2 * elapsed
         task.state = TaskState.FAILED if failed else TaskState.DONE
         self.actions.append(Resolve(task, value, failed=failed))
-        if not worker.inflight:
-            if worker.state is WorkerState.BUSY:
-                worker.state = WorkerState.READY
-            elif worker.state is WorkerState.RETIRING:
-                self._stop(worker)
-        self.dispatch()
-        self._maybe_stop()
+        self._task_left(worker)
 
     def on_withdraw(self, key: int, task_id: int, claim: int, claimed: bool) -> bool:
         """The manager took (``claimed``) or failed to take ``claim`` of a task pipelined to
@@ -384,6 +378,11 @@ class Core:
         worker.inflight.remove(task)
         task.state, task.worker = TaskState.QUEUED, None
         self.queue.appendleft(task)
+        self._task_left(worker)
+
+    def _task_left(self, worker: Worker) -> None:
+        """A task left ``worker`` (done, or taken back): idle again, or stopped when retiring;
+        then the queue goes on."""
         if not worker.inflight:
             if worker.state is WorkerState.BUSY:
                 worker.state = WorkerState.READY
