@@ -32,6 +32,9 @@ def main() -> None:
     total = checksum.clone()
     torch.distributed.all_reduce(total)
     assert torch.allclose(total, checksum * info.world_size), "replicas diverged"
+    # DDP holds the process group: dropped first, the group's gloo/NCCL threads end inside
+    # destroy(), not while the interpreter shuts down (where they can abort the process).
+    del ddp, opt
     gdist.destroy()
 
 
