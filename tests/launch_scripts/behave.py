@@ -32,8 +32,8 @@ if mode == "usr1":
     touch(os.path.join(d, f"usr1.{rank}"), str(len(got)))
 elif mode == "int":
     d = sys.argv[2]
-    touch(os.path.join(d, f"ready.{rank}"))
-    try:
+    try:  # ready is written inside: a Ctrl-C right after it must land here too
+        touch(os.path.join(d, f"ready.{rank}"))
         time.sleep(60)
     except KeyboardInterrupt:
         touch(os.path.join(d, f"kbint.{rank}"))
