@@ -212,6 +212,20 @@ def test_explicit_busy_port_fails_at_once_and_auto_port_is_free() -> None:
             probe.bind(("0.0.0.0", auto))  # really free
 
 
+def test_an_auto_port_is_one_no_outgoing_connection_can_take_meanwhile() -> None:
+    """Rank 0 binds the picked port seconds later (after importing torch). Ports the kernel
+    hands out for port 0 come from the ephemeral range, which outgoing connections draw from
+    too: beside other work one took the port first (EADDRINUSE in a restarted job's rank 0)."""
+    from gpuwarden.net import PICKED_PORT_FLOOR
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low - PICKED_PORT_FLOOR < 1000:
+        pytest.skip(f"this host's ephemeral range starts at {low}: no room below it")
+    ports = {choose_port(cfg()) for _ in range(20)}
+    assert all(PICKED_PORT_FLOOR <= p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1  # random, not one port every launcher on the host would pick
+
+
 def _exit(rank: int, at: float, code: int = 1, message: str = "", stopped: bool = False) -> RankExit:
     error = {"type": "RuntimeError", "message": message, "monotonic": at} if message else None
     return RankExit(rank, 100 + rank, code, at + 0.01, stopped, error)

@@ -14,6 +14,7 @@ timed out vs. no route vs. unknown name), because each has a different cause:
 from __future__ import annotations
 
 import errno
+import random
 import socket
 import threading
 import time
@@ -241,11 +242,37 @@ def port_is_free(port: int, host: str = "") -> bool:
 
 
 def pick_free_port(host: str = "") -> int:
-    """A port the kernel just handed out as free. Another process may still take it before
-    the rendezvous binds it; callers that care retry (the window is milliseconds)."""
+    """A free port for a listener that binds it later: rank 0's rendezvous store, after its
+    torch import (seconds on a busy host).
+
+    Not one the kernel hands out for port 0: those come from the ephemeral range, which every
+    outgoing connection on the host draws its local port from too, and beside other work one
+    took the port first (EADDRINUSE in rank 0, attempt 2 of a restarted job, on a loaded box).
+    Below that range the kernel assigns nothing by itself: a random port there, checked free
+    on both address families; the kernel's choice only when the range leaves no room."""
+    low = _ephemeral_low()
+    if low is not None and low - PICKED_PORT_FLOOR >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(PICKED_PORT_FLOOR, low)
+            if port_is_free(port, host):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+# Picked ports are at least this (below: well-known services and the old default ranges).
+PICKED_PORT_FLOOR = 10000
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (net.ipv4.ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def interface_addresses(*, up_only: bool = True) -> dict[str, tuple[str, ...]]:
