@@ -27,6 +27,14 @@ def where(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
     return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")
 
 
+def meet_where(folder: str, count: int) -> tuple[int, str | None, str | None]:
+    """``where()``, once ``count`` tasks run at once, each in its own worker."""
+    from tests import pool_tasks
+
+    pool_tasks.meet_then_report(folder, count, "")
+    return where()
+
+
 def sleep_then(value: int, delay_s: float) -> int:
     time.sleep(delay_s)
     return value
@@ -60,15 +68,17 @@ def two_gpus(scenario, lease_dir):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_each_gpu_gets_exactly_workers_per_gpu_workers(two_gpus, no_leftover_processes,
-                                                       start_method: str) -> None:
+                                                       start_method: str, tmp_path: Path) -> None:
     with GPUPool(workers_per_gpu=2, start_method=start_method, preload=()) as pool:
-        results = list(pool.map(where, [0.3] * 8))
+        # 4 tasks that wait until 4 run at once: one in each worker (tasks of a fixed length
+        # could all go to the workers ready first while a spawned one still starts).
+        results = list(pool.map(meet_where, [str(tmp_path)] * 4, [4] * 4))
         infos = pool.workers()
     pids_by_gpu: dict[str | None, set[int]] = defaultdict(set)
     for pid, cvd, order in results:
         pids_by_gpu[cvd].add(pid)
         assert order == "PCI_BUS_ID"
-    # 8 slow tasks on 4 workers: every worker ran some, two per GPU.
+    # every worker ran one, two per GPU.
     assert {cvd: len(pids) for cvd, pids in pids_by_gpu.items()} == {"0": 2, "1": 2}
     assert sorted(i.cuda_visible_devices for i in infos) == ["0", "0", "1", "1"]
     assert [g.index for g in pool.gpus] == [0, 1]
