@@ -61,7 +61,7 @@ JOBLIB_PRELOAD = "joblib.parallel"
 # How long the answer to "could a new pool get more GPUs than the warm one holds?" is kept
 # (_other_gpus).
 OTHER_GPUS_TTL_S = 2.0
-_other_gpus_seen: dict[int, tuple[Any, float, int]] = {}
+_other_gpus_seen: tuple[Any, float, int] | None = None  # (pool, when, answer), under _lock
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
 # configure()); joblib's own defaults apply when a caller gives none.
 _MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
@@ -203,14 +203,14 @@ def _other_gpus(pool: GPUPool, pool_kwargs: dict[str, Any]) -> int:
     makes one over more GPUs, and scikit-learn's tests make hundreds of calls a second."""
     from gpuwarden.pool.gpus import usable_gpu_count
 
+    global _other_gpus_seen
     now = time.monotonic()
-    cached = _other_gpus_seen.get(id(pool))
-    if cached is not None and cached[0] is pool and now - cached[1] < OTHER_GPUS_TTL_S:
-        return cached[2]
+    seen = _other_gpus_seen
+    if seen is not None and seen[0] is pool and now - seen[1] < OTHER_GPUS_TTL_S:
+        return seen[2]
     others = usable_gpu_count("auto", inventory=pool_kwargs.get("inventory"),
                               allow_shared=bool(pool_kwargs.get("allow_shared", False)))
-    _other_gpus_seen.clear()  # one pool's answer is kept: the warm one's
-    _other_gpus_seen[id(pool)] = (pool, now, others)
+    _other_gpus_seen = (pool, now, others)  # the warm pool's answer alone
     return others
 
 
