@@ -152,16 +152,16 @@ def inherited(env: Mapping[str, str] | None = None,
     text = environ.get(STEP_ENV)
     if not text:
         return ()
+    # This process's own allocations (a pool exports them for the processes it starts) are not
+    # inherited; without another one neither the lease directory nor the walk up the ancestors
+    # (psutil: ~1.5 ms) is looked at, and a joblib pool asks at every Parallel call.
+    passed_down = [a for a in _parse(text) if a.holder_pid != os.getpid() and a.slots]
+    if not passed_down:
+        return ()
     directory = Path(lease_dir) if lease_dir else lease_dir_path(dict(environ))
     try:
         directory = directory.resolve()
     except OSError:
-        return ()
-    # This process's own allocations (a pool exports them for the processes it starts) are not
-    # inherited; without another one the walk up the ancestors (psutil: ~1.5 ms) is not needed,
-    # and a joblib pool asks at every Parallel call.
-    passed_down = [a for a in _parse(text) if a.holder_pid != os.getpid() and a.slots]
-    if not passed_down:
         return ()
     mine = set(ancestors())
     confirmed = []
