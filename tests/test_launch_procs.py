@@ -85,6 +85,16 @@ def test_init_script_and_ddp_example(capsys: pytest.CaptureFixture[str], tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_destroy_frees_the_group_that_ddp_would_keep(capsys: pytest.CaptureFixture[str]) -> None:
+    # torch.distributed.nn, imported after init (by DDP), holds the default group in default
+    # arguments: its gloo threads outlived destroy() and could abort the rank as it exited
+    code, out, err = launch(capsys, "-n", "1", str(SCRIPTS / "ddp_group_freed.py"))
+    assert code == 0, err
+    assert "[rank0]: BEFORE ['gloo_tcp_loop', 'pt_gloo_runloop', 'pt_gloo_runloop']" in out
+    assert "[rank0]: AFTER []" in out
+
+
+@pytest.mark.timeout(60)
 def test_environment_prefixes_logs_and_no_torch_import(capsys: pytest.CaptureFixture[str],
                                                        tmp_path: Path) -> None:
     script = str(SCRIPTS / "env_dump.py")

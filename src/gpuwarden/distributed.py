@@ -247,6 +247,13 @@ def init(backend: str | None = None, timeout: float | str | timedelta | None = N
                               "timeout": _as_timedelta(timeout), "init_method": "env://"}
     if chosen == "nccl":
         kwargs["device_id"] = device  # eager init: a bad device fails now, not at a collective
+    # torch.distributed.nn.functional binds `group.WORLD` into default arguments when it is
+    # imported; imported after init (DDP's first use imports it, through torch._dynamo), it holds
+    # the default group for ever: destroy_process_group() cannot free it, its gloo threads
+    # outlive the script, and one releasing a collective's tensors as the interpreter exits
+    # aborts the rank ("terminate called without an active exception"). Imported first (~5 ms),
+    # it binds None.
+    import torch.distributed.nn  # noqa: F401
     dist.init_process_group(**kwargs)
     _info = DistInfo(world.rank, world.world_size, world.local_rank, device, chosen, world.launcher)
     return _info

@@ -369,10 +369,13 @@ def _failure_report(outcome: RunOutcome, root: RankExit) -> LaunchReport:
         code = "RANK_NATIVE_CRASH"  # its own native code ended it; the Python stack is below
     if at_exit and not err and (diag is None or diag.code == "RANK_NATIVE_CRASH"):
         why = ("the script had returned: native threads still running while the "
-                      "interpreter shut down crashed it (torch's gloo or NCCL threads of a "
-                      "process group or DDP model not freed before the end)")
-        fix = ("call torch.distributed.destroy_process_group() after dropping the DDP "
-                      "model, before the script returns; the rank's work itself had finished")
+               "interpreter shut down crashed it (torch's gloo or NCCL threads of a process "
+               "group that was not freed: never destroyed, or still held, as "
+               "torch.distributed.nn holds the default group when it is imported after "
+               "init_process_group, which DDP's first use does)")
+        fix = ("call torch.distributed.destroy_process_group() before the script returns, "
+               "and `import torch.distributed.nn` before init_process_group (or use "
+               "gpuwarden.distributed.init(), which does); the rank's work itself had finished")
     if name is not None and not raised_then_killed and not raised_then_crashed:
         sig_why, sig_fix = _SIGNAL_WHY.get(name, (None, None))
         why = why or sig_why
