@@ -136,6 +136,16 @@ def thread_counts() -> dict[str, Any]:
             "env": os.environ.get("OMP_NUM_THREADS")}
 
 
+def meet_then_thread_caps(folder: str, count: int) -> dict[str, Any]:
+    """Once ``count`` tasks run at once (each in its own worker): this worker's OMP_NUM_THREADS
+    and the thread counts of the libraries loaded in it, read through threadpoolctl."""
+    meet_then_report(folder, count, "numpy")
+    from threadpoolctl import threadpool_info
+
+    return {"pid": os.getpid(), "env": os.environ.get("OMP_NUM_THREADS"),
+            "pools": {(p["internal_api"], p["num_threads"]) for p in threadpool_info()}}
+
+
 def dies_in_the_middle_of_its_result(size: int) -> bytes:
     """Return ``size`` bytes, and SIGKILL this worker while it is sending them: once the
     frame's header is out and its payload is being sent (``send_frame``'s current piece is the

@@ -385,6 +385,36 @@ def test_thread_caps_hold_in_forked_workers_even_with_torch_preloaded(two_gpus,
         assert seen["pools"] and all(n == 1 for _api, n in seen["pools"]), seen
 
 
+def test_thread_caps_are_set_again_in_workers_forked_under_other_caps(two_gpus, monkeypatch,
+                                                                      tmp_path: Path) -> None:
+    """The fork server loaded numpy under the first plan's caps (one worker: every core). A
+    worker forked with the same caps leaves the libraries as they are (they read the variables
+    when they loaded); after a resize to more workers than cores, a new worker's cap is lower
+    and the libraries it inherited must be set to it."""
+    pytest.importorskip("threadpoolctl")
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("one core: every worker's cap is 1, the server's too")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "a").mkdir()
+    with GPUPool(workers_per_gpu=None, max_workers=1, preload=("numpy",),
+                 start_method="forkserver") as pool:
+        (first,) = [f.result(timeout=120) for f in
+                    [pool.submit(pool_tasks.meet_then_thread_caps, str(tmp_path / "a"), 1)]]
+        pool.resize(cores + 1)
+        (tmp_path / "b").mkdir()
+        seen = [f.result(timeout=120) for f in
+                [pool.submit(pool_tasks.meet_then_thread_caps, str(tmp_path / "b"), cores + 1)
+                 for _ in range(cores + 1)]]
+    assert first["env"] == str(cores) and first["pools"], first
+    assert all(n == cores for _api, n in first["pools"]), first
+    assert len({s["pid"] for s in seen}) == cores + 1
+    assert any(s["env"] == "1" for s in seen), seen
+    for s in seen:  # each worker's libraries run with its own cap
+        assert s["pools"] and all(n == int(s["env"]) for _api, n in s["pools"]), s
+
+
 def test_cancelled_futures_are_not_run(two_gpus, tmp_path: Path) -> None:
     with GPUPool(gpus=1, preload=()) as pool:
         blocker = pool.submit(time.sleep, 0.5)

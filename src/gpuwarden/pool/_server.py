@@ -337,8 +337,13 @@ class Server:
 
 
 def _preload(boot: dict[str, Any]) -> list[str]:
+    from gpuwarden.pool import _worker
+
+    # Started with the first slot's thread caps: what it loads now reads them, and a worker
+    # forked with the same caps need not set them again.
+    _worker.record_thread_env()
     notes = []
-    for module in ("gpuwarden.pool._worker", *boot["preload"]):
+    for module in boot["preload"]:
         try:
             importlib.import_module(module)
         except ImportError as exc:

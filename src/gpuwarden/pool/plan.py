@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from gpuwarden.inventory.snapshot import GPUSnapshot
 from gpuwarden.visibility import CHILD_ORDER_ENV
+
+if TYPE_CHECKING:  # annotations only: a worker imports this module for its thread variables
+    from gpuwarden.inventory.snapshot import GPUSnapshot
 
 WORKER_ENV = "GPUWARDEN_POOL_WORKER"
 # Thread pools of numerical libraries default to one thread per core in every worker; with N
