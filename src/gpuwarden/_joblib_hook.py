@@ -7,9 +7,12 @@ gpuwarden) and registers right after that module has run. The finder answers no 
 module, costs one string comparison per import, and removes itself once done.
 
 joblib has no entry points for backends (only ``register_parallel_backend``), so the backend
-exists in an interpreter once ``gpuwarden`` is imported there; registering loads the backend
-class (a ``ParallelBackendBase`` subclass, as joblib's own backends are registered); the
-pool itself loads on the first ``Parallel`` call.
+exists in an interpreter once ``gpuwarden`` is imported there. What is registered is a factory
+(joblib's documented form: a callable returning a ``ParallelBackendBase``) that loads the
+backend's module on the first use of the name, which then registers its class in its place:
+importing joblib with gpuwarden costs no backend import (~14 ms; paid by every process that
+imports both, the pool's own process server and workers among them); the pool itself loads on
+the first ``Parallel`` call.
 """
 
 from __future__ import annotations
@@ -24,20 +27,27 @@ if TYPE_CHECKING:
 _TARGET = "joblib.parallel"
 
 
+def make_backend(**kwargs: Any) -> Any:
+    """joblib's factory for the backend until its module is loaded (see the top)."""
+    from gpuwarden.pool.joblib_backend import GpuwardenBackend
+
+    return GpuwardenBackend(**kwargs)
+
+
 def register(parallel_module: ModuleType | None = None) -> None:
     """Register the backend with joblib (imports joblib if it is not imported yet)."""
     if parallel_module is None:
         import joblib.parallel
 
         parallel_module = joblib.parallel
-    backend_module = sys.modules.get("gpuwarden.pool.joblib_backend")
-    if backend_module is not None and not hasattr(backend_module, "GpuwardenBackend"):
-        return  # that module's own import of joblib got here: it registers when it is done
-    # The backend's module names it (and registers it itself when it is imported first): this
-    # hook only decides when, and imports nothing of joblib's until joblib is there.
-    from gpuwarden.pool.joblib_backend import BACKEND_NAME, GpuwardenBackend
+    from gpuwarden.pool import BACKEND_NAME
 
-    parallel_module.register_parallel_backend(BACKEND_NAME, GpuwardenBackend)
+    backend_module = sys.modules.get("gpuwarden.pool.joblib_backend")
+    if backend_module is None:
+        parallel_module.register_parallel_backend(BACKEND_NAME, make_backend)
+    elif hasattr(backend_module, "GpuwardenBackend"):
+        parallel_module.register_parallel_backend(BACKEND_NAME, backend_module.GpuwardenBackend)
+    # else: that module's own import of joblib got here: it registers its class when it is done
 
 
 class _AfterImportFinder:

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CPUFallbackWarning", "GPUPool", "WorkerInfo"]
 
+BACKEND_NAME = "gpuwarden"  # the joblib backend's: Parallel(backend="gpuwarden")
+
 
 def __getattr__(name: str) -> Any:
     if name in __all__:

@@ -40,9 +40,8 @@ from joblib._parallel_backends import (
 )
 from joblib.parallel import register_parallel_backend
 
+from gpuwarden.pool import BACKEND_NAME
 from gpuwarden.pool.plan import WORKER_ENV
-
-BACKEND_NAME = "gpuwarden"  # Parallel(backend="gpuwarden"); registered by gpuwarden/_joblib_hook.py
 
 if TYPE_CHECKING:
     # Loaded on the first Parallel call: registering the backend costs no executor import.
@@ -465,6 +464,7 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return pool_kwargs, memmap_kwargs, IDLE_WORKER_TIMEOUT_S if idle is None else float(idle)
 
 
-# Imported first (before joblib), this module's import of joblib ran the registration hook
-# before the class existed; registering here covers that order too.
+# The class takes the place of the hook's factory (gpuwarden/_joblib_hook.py); imported first
+# (before joblib), this module's import of joblib ran the hook before the class existed, and
+# registering here covers that order too.
 register_parallel_backend(BACKEND_NAME, GpuwardenBackend)
