@@ -3,10 +3,12 @@ benchmarks run as scripts from this folder)."""
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import psutil
 
@@ -25,3 +27,15 @@ def wait_or_kill_tree(proc: subprocess.Popen[bytes], cap_s: float) -> int | None
                 child.kill()
         proc.wait()
         return None
+
+
+def as_installed(*package_dirs: Path) -> None:
+    """gpuwarden's modules as an install has them: compiled once to bytecode files, and
+    loaded from those by every process the benchmark starts. pip compiles a wheel's modules
+    when it installs it (as it did for joblib, loky and torch here); an editable install does
+    not, and where PYTHONDONTWRITEBYTECODE is set (this machine's environment sets it) every
+    new interpreter compiles them again: ~20 ms more for a pool's process server, ~0.2 s of CPU
+    for a launcher. Without this the benchmark would time that, on gpuwarden's side alone."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    for folder in package_dirs:
+        compileall.compile_dir(str(folder), quiet=1)

@@ -46,6 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _procs import as_installed
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -313,6 +315,7 @@ def main() -> int:
     parser.add_argument("--cuda", action="store_true",
                         help="only the CUDA comparison on the real GPU 0 (exit 77 without one)")
     args = parser.parse_args()
+    as_installed(ROOT / "src" / "gpuwarden")
     if args.cuda:
         return cuda_section(args)
     if not os.environ.get("GPUWARDEN_SIMULATE"):

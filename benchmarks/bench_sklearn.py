@@ -35,6 +35,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from _procs import as_installed
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["tests/test_multioutput.py", "inspection/tests/test_permutation_importance.py",
            "utils/tests/test_parallel.py", "model_selection/tests/test_validation.py"]
@@ -157,6 +159,7 @@ def main() -> int:
         print("bench_sklearn: scikit-learn is not installed (pip install -e '.[bench]')",
               file=sys.stderr)
         return 77
+    as_installed(ROOT / "src" / "gpuwarden", *([Path(args.before)] if args.before else []))
     modules = args.modules or (FULL if args.full else MODULES)
     plugin_dir = Path(tempfile.mkdtemp(prefix="bench-sklearn-"))
     try:
