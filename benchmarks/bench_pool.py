@@ -406,7 +406,10 @@ def main() -> int:
         # -- a tiny torch computation per task, warm workers preloading torch ----------------
         import torch  # noqa: F401 - the gpuwarden backend then preloads it in its fork server
 
-        torch_tasks = max(200, tasks // 10)
+        # As many tasks as the tiny-task rows: with 200, the row timed joblib's batch-size
+        # ramp (its auto-batching starts at one task per batch), which settled at ~55 or ~108 us
+        # per task from call to call on either backend alike.
+        torch_tasks = tasks
         print(f"\na tiny torch computation per task (64x64 matmul), {torch_tasks} tasks, "
               f"n_jobs={n}, warm workers:")
         torch_rows: dict[str, float] = {}
