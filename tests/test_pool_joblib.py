@@ -242,6 +242,40 @@ def test_idle_warm_pool_releases_its_gpus_and_keeps_its_workers(two_gpus) -> Non
         assert jobstep.STEP_ENV in os.environ  # and passed down again
 
 
+def test_one_idle_clock_serves_every_call_and_still_rings(two_gpus, monkeypatch) -> None:
+    """The warm pool's idle clock is one timer thread: a call that ends moves the deadline
+    (a timer started and cancelled per call cost more than the rest of its bookkeeping). It
+    is set anew only for an earlier deadline, and when it rings before the deadline it sets
+    itself for what is left: the pool still parks once idle."""
+    import threading
+
+    from gpuwarden.pool import joblib_backend
+
+    started: list[threading.Timer] = []
+
+    class CountedTimer(threading.Timer):
+        def start(self) -> None:
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(joblib_backend.threading, "Timer", CountedTimer)
+    with parallel_config(backend="gpuwarden", n_jobs=2, preload=(), idle_worker_timeout=60):
+        first = {pid for _x, pid, _cvd in Parallel()(delayed(where)(x) for x in range(4))}
+        for _ in range(30):
+            Parallel()(delayed(where)(y) for y in range(2))
+    assert len(started) == 1  # before: one per call
+    with parallel_config(backend="gpuwarden", n_jobs=2, preload=(), idle_worker_timeout=1.0):
+        Parallel()(delayed(where)(x) for x in range(2))  # an earlier deadline: a new clock
+        assert len(started) == 2
+        time.sleep(0.5)
+        Parallel()(delayed(where)(x) for x in range(2))  # the clock rings early, sets again
+        pool = _wait_parked()
+    assert len(started) >= 3
+    assert {pid for _x, pid, _cvd in Parallel(backend="gpuwarden", n_jobs=2, preload=())(
+        delayed(where)(x) for x in range(4))} <= first
+    assert joblib_backend._reusable["pool"] is pool
+
+
 def test_a_parked_pool_whose_gpu_was_taken_meanwhile_is_replaced(two_gpus) -> None:
     from gpuwarden.lease import acquire
     from tests._lease_util import kept_in_child
@@ -535,7 +569,7 @@ def test_the_warm_pool_is_kept_when_the_caller_imports_torch_after_it_started(tw
     keeps its executor; the workers import torch when a task needs it. (It was replaced, and
     every worker started again.)"""
     code = """if True:
-        import os, sys
+        import os, sys, time
         from joblib import Parallel, delayed, parallel_config
         import gpuwarden
         from gpuwarden.pool import joblib_backend
@@ -543,7 +577,13 @@ def test_the_warm_pool_is_kept_when_the_caller_imports_torch_after_it_started(tw
         with parallel_config(backend="gpuwarden", n_jobs=2):
             Parallel()(delayed(os.getpid)() for _ in range(4))
             pool = joblib_backend._reusable["pool"]
+            # The four tiny tasks may all have run on the worker ready first: the other is
+            # listed once the server has started it.
+            deadline = time.monotonic() + 60
+            while len(pool.workers()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             workers = {w.pid for w in pool.workers()}
+            assert len(workers) == 2, workers
             import torch  # noqa: F401
             Parallel()(delayed(os.getpid)() for _ in range(4))
             assert joblib_backend._reusable["pool"] is pool, "the warm pool was replaced"

@@ -80,7 +80,8 @@ def _forget_reusable() -> None:
     the old one held by a thread that does not exist in the child)."""
     global _lock
     _lock = threading.Lock()
-    _reusable.update(settings=None, n=None, pool=None, timer=None, users=0)
+    _reusable.update(settings=None, n=None, pool=None, timer=None, timer_at=None,
+                     deadline=None, users=0)
     _replaced.clear()
 
 
@@ -142,10 +143,7 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
     settings = _settings_key(pool_kwargs)
     idle_old = None
     with _lock:
-        timer = _reusable["timer"]
-        if timer is not None:
-            timer.cancel()
-            _reusable["timer"] = None
+        _reusable["deadline"] = None  # in use: its idle clock, if set, rings for nothing
         pool = _reusable["pool"]
         # A parked pool (its GPUs let go when it was idle) takes them again before it is
         # judged like a warm one; when another job took one, a new pool is started.
@@ -165,7 +163,10 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
             else:
                 idle_old = pool
                 pool.shutdown(wait=False)
-        _reusable.update(pool=None, settings=None, n=None, users=0)
+        stale = _reusable["timer"]
+        _reusable.update(pool=None, settings=None, n=None, users=0, timer=None)
+    if stale is not None:
+        stale.cancel()
     if idle_old is not None:
         idle_old.shutdown(wait=True)
     from gpuwarden.pool.executor import GPUPool
@@ -174,7 +175,8 @@ def _get_pool(n_workers: int, pool_kwargs: dict[str, Any]) -> GPUPool:
                    **{"preload": _default_preload(), **pool_kwargs})
     with _lock:
         previous = dict(_reusable) if _reusable["pool"] is not None else None
-        _reusable.update(settings=settings, pool=pool, n=n_workers, users=1, timer=None)
+        _reusable.update(settings=settings, pool=pool, n=n_workers, users=1, timer=None,
+                         deadline=None)
         if previous is not None and previous["users"]:
             _replaced.append(previous)  # another thread's pool, in use: it goes when done
         elif previous is not None:
@@ -214,29 +216,17 @@ def _other_gpus(pool: GPUPool, pool_kwargs: dict[str, Any]) -> int:
 
 
 def _done_with(pool: GPUPool, idle_s: float) -> None:
-    """A Parallel call stopped using ``pool``: once nobody uses it, start the idle clock (or,
-    for a pool that was replaced meanwhile, shut it down). When it runs out the pool lets its
-    GPUs go: parked (workers kept, :data:`PARKED_WORKER_TIMEOUT_S` more) when none of its
-    processes is on a GPU, else shut down."""
-    def expire() -> None:
-        with _lock:
-            if _reusable["pool"] is not pool or _reusable["timer"] is not current[0] \
-                    or _reusable["users"]:
-                return
-            if not pool.parked and pool._park():
-                current[0] = threading.Timer(PARKED_WORKER_TIMEOUT_S, expire)
-                current[0].daemon = True
-                _reusable["timer"] = current[0]
-                current[0].start()
-                return
-            _reusable.update(pool=None, settings=None, timer=None)
-            # Marked closing before the lock goes: a new pool asking for these GPUs waits
-            # for them (GPUPool._take) instead of being refused.
-            pool.shutdown(wait=False)
-        pool.shutdown(wait=True)
+    """A Parallel call stopped using ``pool``: once nobody uses it, its idle clock runs until
+    ``idle_s`` from now (or, for a pool that was replaced meanwhile, it is shut down). When the
+    clock runs out the pool lets its GPUs go: parked (workers kept,
+    :data:`PARKED_WORKER_TIMEOUT_S` more) when none of its processes is on a GPU, else shut
+    down.
 
-    timer = None
-    current: list[threading.Timer | None] = [None]
+    The clock is one timer thread that outlives the calls: a call that ends only moves the
+    deadline, and the timer, when it rings early, sets itself again for what is left. Started
+    and cancelled per call (scikit-learn's tests make hundreds of calls a second), a thread
+    each cost more than the rest of the call's bookkeeping."""
+    timer = stale = None
     with _lock:
         replaced = next((e for e in _replaced if e["pool"] is pool), None)
         if replaced is not None:
@@ -250,13 +240,56 @@ def _done_with(pool: GPUPool, idle_s: float) -> None:
             _reusable["users"] = max(0, _reusable["users"] - 1)
             if _reusable["users"]:
                 return
-            timer = current[0] = threading.Timer(idle_s, expire)
-            timer.daemon = True
-            _reusable["timer"] = timer
+            deadline = time.monotonic() + idle_s
+            _reusable["deadline"] = deadline
+            if _reusable["timer"] is None or _reusable["timer_at"] > deadline:
+                stale = _reusable["timer"]  # set for later than this call's idle_s
+                timer = _arm_locked(pool, idle_s)
+            if stale is None and timer is None:
+                return  # the running clock rings before the deadline and sets itself again
+    if stale is not None:
+        stale.cancel()
     if timer is not None:
         timer.start()  # kept warm until it expires
     else:
         pool.shutdown(wait=True)
+
+
+def _arm_locked(pool: GPUPool, delay_s: float) -> threading.Timer:
+    """A new idle clock for the warm ``pool``, ringing in ``delay_s`` (started by the caller,
+    after the lock)."""
+    timer = threading.Timer(delay_s, _clock_rang, (pool,))
+    timer.daemon = True
+    _reusable.update(timer=timer, timer_at=time.monotonic() + delay_s)
+    return timer
+
+
+def _clock_rang(pool: GPUPool) -> None:
+    """The warm pool's idle clock (the current thread) rang: set it again for what is left
+    of the deadline, or let the pool's GPUs go (see :func:`_done_with`)."""
+    again = None
+    with _lock:
+        if _reusable["pool"] is not pool or _reusable["timer"] is not threading.current_thread():
+            return  # replaced, shut down, or set anew since
+        _reusable["timer"] = None
+        deadline = _reusable["deadline"]
+        if _reusable["users"] or deadline is None:
+            return  # in use: the call that ends last sets the clock
+        now = time.monotonic()
+        if now < deadline:
+            again = _arm_locked(pool, deadline - now)
+        elif not pool.parked and pool._park():
+            _reusable["deadline"] = now + PARKED_WORKER_TIMEOUT_S
+            again = _arm_locked(pool, PARKED_WORKER_TIMEOUT_S)
+        else:
+            _reusable.update(pool=None, settings=None, deadline=None)
+            # Marked closing before the lock goes: a new pool asking for these GPUs waits
+            # for them (GPUPool._take) instead of being refused.
+            pool.shutdown(wait=False)
+    if again is not None:
+        again.start()
+        return
+    pool.shutdown(wait=True)
 
 
 def _drop_pool(pool: GPUPool, *, kill: bool) -> None:
@@ -271,7 +304,7 @@ def shutdown_reusable_pool() -> None:
     """Shut down the pool kept warm between Parallel calls (and release its GPUs) now."""
     with _lock:
         pool, timer = _reusable["pool"], _reusable["timer"]
-        _reusable.update(pool=None, settings=None, timer=None, users=0)
+        _reusable.update(pool=None, settings=None, timer=None, deadline=None, users=0)
         if pool is not None:
             pool.shutdown(wait=False)
     if timer is not None:
