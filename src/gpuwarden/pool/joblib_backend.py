@@ -293,10 +293,16 @@ def _clock_rang(pool: GPUPool) -> None:
 
 
 def _drop_pool(pool: GPUPool, *, kill: bool) -> None:
+    timer = None
     with _lock:
         if _reusable["pool"] is pool:
-            _reusable.update(pool=None, settings=None, users=0)
+            # Its idle clock goes with it, as in shutdown_reusable_pool: left set, it would
+            # hold the dropped pool for up to PARKED_WORKER_TIMEOUT_S only to ring for nothing.
+            timer = _reusable["timer"]
+            _reusable.update(pool=None, settings=None, users=0, timer=None, deadline=None)
         _replaced[:] = [e for e in _replaced if e["pool"] is not pool]
+    if timer is not None:
+        timer.cancel()
     pool.shutdown(wait=True, cancel_futures=True, kill_workers=kill)
 
 
