@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,16 @@ def thread_counts() -> dict[str, Any]:
             "env": os.environ.get("OMP_NUM_THREADS")}
 
 
-def meet_then_thread_caps(folder: str, count: int) -> dict[str, Any]:
-    """Once ``count`` tasks run at once (each in its own worker): this worker's OMP_NUM_THREADS
-    and the thread counts of the libraries loaded in it, read through threadpoolctl."""
-    meet_then_report(folder, count, "numpy")
+def meet_then(folder: str, count: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, once ``count`` tasks run at once, each in its own worker (60 s at most):
+    every worker of the pool answers, however fast tiny tasks finish elsewhere on a loaded box."""
+    meet_then_report(folder, count, "")
+    return fn(*args)
+
+
+def thread_caps() -> dict[str, Any]:
+    """This worker's OMP_NUM_THREADS and the thread counts of the libraries loaded in it, read
+    through threadpoolctl."""
     from threadpoolctl import threadpool_info
 
     return {"pid": os.getpid(), "env": os.environ.get("OMP_NUM_THREADS"),

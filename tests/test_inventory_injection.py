@@ -15,6 +15,7 @@ from gpuwarden.inventory import Inventory, StaticBackend, read_host, read_visibl
 from gpuwarden.inventory.simulated import SimulatedBackend
 from gpuwarden.lease import acquire
 from gpuwarden.pool import GPUPool
+from tests import pool_tasks
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 SCRIPT = str(Path(__file__).parent / "launch_scripts" / "env_dump.py")
@@ -90,15 +91,6 @@ def test_launch_and_doctor_read_the_inventory_given_to_main(no_default_host: Non
     assert "4 GPU" in json.dumps(checks)
 
 
-def meet_then_visible(folder: str, count: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES in the worker, once ``count`` tasks run at once (each in its own
-    worker): every worker answers, however fast tiny tasks finish elsewhere."""
-    from tests import pool_tasks
-
-    pool_tasks.meet_then_report(folder, count, "")
-    return os.environ.get("CUDA_VISIBLE_DEVICES")
-
-
 @pytest.mark.slow
 def test_the_joblib_backend_passes_the_inventory_on(no_default_host: None, tmp_path: Path) -> None:
     from joblib import Parallel, delayed, parallel_config
@@ -111,7 +103,8 @@ def test_the_joblib_backend_passes_the_inventory_on(no_default_host: None, tmp_p
                              start_method="spawn"):
             # Two tasks that meet: 4 tiny ones all ran on the first worker ready while the
             # other (spawned) was still starting, in CI (1 failed).
-            seen = set(Parallel()(delayed(meet_then_visible)(str(tmp_path), 2) for _ in range(2)))
+            seen = set(Parallel()(delayed(pool_tasks.meet_then)(str(tmp_path), 2, visible_devices, 0)
+                                 for _ in range(2)))
     finally:
         shutdown_reusable_pool()
     assert seen == {"0", "1"}  # n_jobs=-1: one worker per GPU of the injected host

@@ -17,6 +17,7 @@ import pytest
 from gpuwarden.errors import ConstraintError, PoolBrokenError, WorkerDiedError
 from gpuwarden.pool import CPUFallbackWarning, GPUPool
 from gpuwarden.pool._pickling import RemoteTraceback
+from tests import pool_tasks
 from tests.conftest import until, wait_until_gone
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -25,14 +26,6 @@ pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 def where(delay_s: float = 0.0) -> tuple[int, str | None, str | None]:
     time.sleep(delay_s)
     return os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")
-
-
-def meet_where(folder: str, count: int) -> tuple[int, str | None, str | None]:
-    """``where()``, once ``count`` tasks run at once, each in its own worker."""
-    from tests import pool_tasks
-
-    pool_tasks.meet_then_report(folder, count, "")
-    return where()
 
 
 def sleep_then(value: int, delay_s: float) -> int:
@@ -72,7 +65,7 @@ def test_each_gpu_gets_exactly_workers_per_gpu_workers(two_gpus, no_leftover_pro
     with GPUPool(workers_per_gpu=2, start_method=start_method, preload=()) as pool:
         # 4 tasks that wait until 4 run at once: one in each worker (tasks of a fixed length
         # could all go to the workers ready first while a spawned one still starts).
-        results = list(pool.map(meet_where, [str(tmp_path)] * 4, [4] * 4))
+        results = list(pool.map(pool_tasks.meet_then, [str(tmp_path)] * 4, [4] * 4, [where] * 4))
         infos = pool.workers()
     pids_by_gpu: dict[str | None, set[int]] = defaultdict(set)
     for pid, cvd, order in results:

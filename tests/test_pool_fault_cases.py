@@ -401,11 +401,12 @@ def test_thread_caps_are_set_again_in_workers_forked_under_other_caps(two_gpus, 
     with GPUPool(workers_per_gpu=None, max_workers=1, preload=("numpy",),
                  start_method="forkserver") as pool:
         (first,) = [f.result(timeout=120) for f in
-                    [pool.submit(pool_tasks.meet_then_thread_caps, str(tmp_path / "a"), 1)]]
+                    [pool.submit(pool_tasks.meet_then, str(tmp_path / "a"), 1, pool_tasks.thread_caps)]]
         pool.resize(cores + 1)
         (tmp_path / "b").mkdir()
         seen = [f.result(timeout=120) for f in
-                [pool.submit(pool_tasks.meet_then_thread_caps, str(tmp_path / "b"), cores + 1)
+                [pool.submit(pool_tasks.meet_then, str(tmp_path / "b"), cores + 1,
+                             pool_tasks.thread_caps)
                  for _ in range(cores + 1)]]
     assert first["env"] == str(cores) and first["pools"], first
     assert all(n == cores for _api, n in first["pools"]), first

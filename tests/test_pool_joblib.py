@@ -25,15 +25,6 @@ def where(x: int) -> tuple[int, int, str | None]:
     return x, os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def meet_where(folder: str, count: int, x: int) -> tuple[int, int, str | None]:
-    """``where``, once ``count`` tasks run at once, each in its own worker (60 s at most): every
-    worker of the pool answers, however fast tasks finish on a loaded box."""
-    from tests import pool_tasks
-
-    pool_tasks.meet_then_report(folder, count, "")
-    return where(x)
-
-
 def list_me_on_gpu0(host_path: str) -> int:
     """Lists this process on GPU 0 of the simulated host in ``host_path`` (as NVML lists a
     process with a CUDA context)."""
@@ -82,7 +73,7 @@ def two_gpus(scenario, lease_dir, no_leftover_processes):  # type: ignore[no-unt
 
 def test_all_slots_with_n_jobs_minus_one(two_gpus, tmp_path) -> None:
     with parallel_config(backend="gpuwarden", n_jobs=-1, workers_per_gpu=2, preload=()):
-        results = Parallel(batch_size=1)(delayed(meet_where)(str(tmp_path), 4, x)
+        results = Parallel(batch_size=1)(delayed(pool_tasks.meet_then)(str(tmp_path), 4, where, x)
                                          for x in range(4))
     assert [r[0] for r in results] == list(range(4))
     pids_by_gpu: dict[str | None, set[int]] = defaultdict(set)
@@ -117,7 +108,7 @@ def test_n_jobs_minus_one_reuses_warm_workers_that_nvml_lists(scenario, lease_di
         with parallel_config(backend="gpuwarden", n_jobs=-1, workers_per_gpu=2, preload=()):
             meet = tmp_path / "meet"
             meet.mkdir()
-            first = Parallel(batch_size=1)(delayed(meet_where)(str(meet), 4, x)
+            first = Parallel(batch_size=1)(delayed(pool_tasks.meet_then)(str(meet), 4, where, x)
                                            for x in range(4))
             pids_by_gpu: dict[str, set[int]] = defaultdict(set)
             for _, pid, cvd in first:
@@ -143,7 +134,7 @@ def test_n_jobs_minus_one_counts_shared_gpus_when_the_pool_allows_them(
                              allow_shared=True):
             meet = tmp_path / "meet"
             meet.mkdir()
-            results = Parallel(batch_size=1)(delayed(meet_where)(str(meet), 4, x)
+            results = Parallel(batch_size=1)(delayed(pool_tasks.meet_then)(str(meet), 4, where, x)
                                              for x in range(4))
         pids_by_gpu: dict[str | None, set[int]] = defaultdict(set)
         for _, pid, cvd in results:
