@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import socket
 import struct
 from enum import IntEnum
@@ -27,6 +28,10 @@ COALESCE_BYTES = 1 << 16
 # One read call per worker and wake-up takes at most this much: a worker sending a large
 # result cannot starve the others' short messages.
 READ_CHUNK = 1 << 20
+# The manager's read buffer per worker: frames up to this size are read many to a call.
+BUFFER_BYTES = 1 << 16
+# At most this many pieces go in one sendmsg (far below any system's IOV_MAX).
+SEND_PIECES = 64
 # What a read or write on a worker's socket fails with when the worker is gone. Anything else
 # (ENOBUFS, ENOMEM under memory pressure) is tried again later, never taken for a death.
 GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF, errno.ESHUTDOWN}
@@ -71,38 +76,63 @@ def send_frame(sock: socket.socket, kind: Kind, task_id: int,
         sock.sendall(piece)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytearray | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
+class FrameSource:
+    """Frames from a blocking socket (the worker's). A small frame's header and payload come
+    in one call, with whatever follows them; a large payload is read straight into its own
+    buffer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _fill(self, n: int) -> bool:
+        while len(self._buf) < n:
+            chunk = self._sock.recv(BUFFER_BYTES)
+            if not chunk:
+                return False
+            self._buf += chunk
+        return True
+
+    def next(self) -> tuple[Kind, int, bytearray] | None:
+        """The next frame, or None at end of input (the other side is gone)."""
+        if not self._fill(HEADER.size):
             return None
-        got += k
-    return buf
-
-
-def recv_frame(sock: socket.socket) -> tuple[Kind, int, bytearray] | None:
-    """The next frame, or None at end of input (the other side is gone)."""
-    header = _recv_exactly(sock, HEADER.size)
-    if header is None:
-        return None
-    length, task_id, kind = HEADER.unpack(header)
-    payload = _recv_exactly(sock, length) if length else bytearray()
-    if payload is None:
-        return None
-    return Kind(kind), task_id, payload
+        length, task_id, kind = HEADER.unpack_from(self._buf)
+        end = HEADER.size + length
+        if end <= BUFFER_BYTES:
+            if not self._fill(end):
+                return None
+            payload = self._buf[HEADER.size:end]
+            del self._buf[:end]
+            return Kind(kind), task_id, payload
+        payload = bytearray(length)
+        got = min(len(self._buf) - HEADER.size, length)
+        payload[:got] = self._buf[HEADER.size:HEADER.size + got]
+        del self._buf[:HEADER.size + got]
+        view = memoryview(payload)
+        while got < length:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                return None
+            got += k
+        return Kind(kind), task_id, payload
 
 
 # -- the non-blocking side (the pool's manager thread) -------------------------------------
 
 class FrameReader:
-    """Collects frames from a non-blocking socket across partial reads."""
+    """Collects frames from a non-blocking socket across partial reads.
+
+    Small frames are read through one buffer, as many as the socket holds in one call (a
+    worker's STARTED and RESULT often arrive together); a frame too large for the buffer is
+    read straight into its own. A read that returns less than it asked for has emptied the
+    socket (a stream socket gives all it holds), so no call is spent to hear EAGAIN."""
 
     def __init__(self) -> None:
-        self._header = bytearray()
-        self._body: bytearray | None = None
+        self._buf = bytearray(BUFFER_BYTES)
+        self._start = 0  # unparsed bytes: _buf[_start:_end]
+        self._end = 0
+        self._body: bytearray | None = None  # a large frame's payload, being filled
         self._got = 0
         self._kind = 0
         self._task_id = 0
@@ -113,7 +143,7 @@ class FrameReader:
     @property
     def partial(self) -> bool:
         """A frame has begun and not ended (a worker that died while sending it)."""
-        return bool(self._header) or self._body is not None
+        return self._end > self._start or self._body is not None
 
     def read(self, sock: socket.socket) -> list[tuple[Kind, int, bytearray]]:
         """Every frame completed by what the socket has now (sets :attr:`eof` at its end)."""
@@ -121,29 +151,34 @@ class FrameReader:
         budget = READ_CHUNK
         while budget > 0 and not self.eof:
             try:
-                if self._body is None:
-                    chunk = sock.recv(HEADER.size - len(self._header))
-                    if not chunk:
-                        self.eof = True
-                        break
-                    self._header += chunk
-                    budget -= len(chunk)
-                    if len(self._header) < HEADER.size:
-                        continue
-                    length, self._task_id, self._kind = HEADER.unpack(self._header)
-                    self._header.clear()
-                    self._body, self._got = bytearray(length), 0
-                else:
+                if self._body is not None:
                     view = memoryview(self._body)[self._got:self._got + budget]
-                    k = sock.recv_into(view) if len(view) else 0
-                    if len(view) and k == 0:
+                    k = sock.recv_into(view)
+                    if k == 0:
                         self.eof = True
                         break
                     self._got += k
                     budget -= k
-                if self._body is not None and self._got == len(self._body):
-                    frames.append((Kind(self._kind), self._task_id, self._body))
-                    self._body = None
+                    if self._got == len(self._body):
+                        frames.append((Kind(self._kind), self._task_id, self._body))
+                        self._body = None
+                    elif k < len(view):
+                        break  # the socket is empty
+                    continue
+                if self._start:  # what is left (part of a frame) to the buffer's front
+                    left = self._end - self._start
+                    self._buf[:left] = self._buf[self._start:self._end]
+                    self._start, self._end = 0, left
+                asked = min(len(self._buf) - self._end, budget)
+                k = sock.recv_into(memoryview(self._buf)[self._end:self._end + asked])
+                if k == 0:
+                    self.eof = True
+                    break
+                self._end += k
+                budget -= k
+                self._parse(frames)
+                if k < asked:
+                    break  # the socket is empty
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -152,6 +187,27 @@ class FrameReader:
                 break
         self.more = budget <= 0 and not self.eof
         return frames
+
+    def _parse(self, frames: list[tuple[Kind, int, bytearray]]) -> None:
+        """Take the buffer's whole frames; a large frame's start moves to its own buffer."""
+        buf = self._buf
+        while self._end - self._start >= HEADER.size:
+            length, task_id, kind = HEADER.unpack_from(buf, self._start)
+            begin = self._start + HEADER.size
+            if self._end - begin >= length:
+                frames.append((Kind(kind), task_id, buf[begin:begin + length]))
+                self._start = begin + length
+            elif length > len(buf) - HEADER.size:
+                have = self._end - begin
+                self._body = bytearray(length)
+                self._body[:have] = buf[begin:self._end]
+                self._got, self._kind, self._task_id = have, kind, task_id
+                self._start = self._end = 0
+                return
+            else:
+                return  # the rest of this frame is still to come
+        if self._start == self._end:
+            self._start = self._end = 0
 
 
 class FrameWriter:
@@ -170,10 +226,12 @@ class FrameWriter:
 
     def flush(self, sock: socket.socket) -> None:
         """Write what the socket takes now; sets :attr:`broken` when it takes nothing more."""
-        while self._pieces and not self.broken:
-            piece = self._pieces[0]
+        pieces = self._pieces
+        while pieces and not self.broken:
             try:
-                sent = sock.send(piece)
+                # Every waiting frame in one call (a task pipelined behind another, a STOP)
+                sent = (sock.send(pieces[0]) if len(pieces) == 1
+                        else sock.sendmsg(list(itertools.islice(pieces, SEND_PIECES))))
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -181,9 +239,11 @@ class FrameWriter:
                     return  # tried again when the socket is writable
                 self.broken = True  # EPIPE: the worker is gone; its exit report follows
                 self.error = exc
-                self._pieces.clear()
+                pieces.clear()
                 return
-            if sent == len(piece):
-                self._pieces.popleft()
-            else:
-                self._pieces[0] = piece[sent:]
+            while sent:
+                if sent >= len(pieces[0]):
+                    sent -= len(pieces.popleft())
+                else:
+                    pieces[0] = pieces[0][sent:]
+                    return  # the socket took part: it is full

@@ -49,7 +49,7 @@ import warnings
 from typing import Any
 
 from gpuwarden.pool import _pickling
-from gpuwarden.pool._wire import CLAIM, Kind, recv_frame, send_frame
+from gpuwarden.pool._wire import CLAIM, FrameSource, Kind, send_frame
 from gpuwarden.pool.plan import THREAD_LIMIT_VARS
 from gpuwarden.procs import die_with_parent
 
@@ -66,7 +66,8 @@ def serve(sock: socket.socket) -> int:
     if fds:
         os.set_inheritable(claims, False)  # not for what a task starts
     claims_id = _file_id(claims)
-    first = recv_frame(sock)
+    frames = FrameSource(sock)
+    first = frames.next()
     if first is None or first[0] is not Kind.BOOT:
         return 0
     boot = _pickling.loads(first[2])
@@ -89,7 +90,7 @@ def serve(sock: socket.socket) -> int:
     send_frame(sock, Kind.READY, -1, _pickling.dumps_result(notes))
     while True:
         try:
-            message = recv_frame(sock)
+            message = frames.next()
         except OSError:
             return 0
         if message is None or message[0] is Kind.STOP:
