@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -242,6 +243,7 @@ def test_processes_of_lease_holders_are_not_foreign(scenario, lease_dir, tmp_pat
     path.write_text(json.dumps(data))
     scenario(path)
     holder = fork_child(body)
+    kid = None
     try:
         kid = int(os.read(r, 100))
         data["gpus"][0]["processes"] = [{"pid": kid, "user": "alice", "command": "python x.py",
@@ -261,6 +263,11 @@ def test_processes_of_lease_holders_are_not_foreign(scenario, lease_dir, tmp_pat
         os.close(w)
         os.kill(holder, signal.SIGTERM)
         wait_all([holder], timeout_s=5)
+        if kid is not None:
+            # SIGTERM ends the holder at once (no finally runs there): its child is ours to end,
+            # or it outlives the suite as an orphan sleeping out its minute
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGKILL)
 
 
 # -- corrupt, stale and forged records ------------------------------------------------------
