@@ -1,7 +1,8 @@
 """GPUPool and the "gpuwarden" joblib backend vs joblib's default loky backend, side by side.
 
 Measured in one run, same number of workers for everyone; every row is the median of
---repeat (5) measurements, and a summary lists each case's gpuwarden / loky ratio:
+--repeat (5) measurements (the large array's, of twice as many), the competitors taking turns
+repetition by repetition, and a summary lists each case's gpuwarden / loky ratio:
   - per-task overhead: wall time / number of tiny tasks, warm workers;
   - first-result latency: from creating the pool (cold) to the first result;
   - a tiny torch computation per task (a 64x64 matmul), warm workers, both preloading torch
@@ -9,7 +10,7 @@ Measured in one run, same number of workers for everyone; every row is the media
   - Parallel calls that alternate n_jobs (n, 2n, n, ...): a warm pool resized, not rebuilt;
   - the cost of a worker death: from the task that kills its (only) worker to the next result;
   - a large array (--array-mb, 200 MB) given to each of 8 tasks, warm workers: wall time
-    and peak memory of the whole process tree (PSS, sampled every 20 ms: shared pages such
+    and peak memory of the whole process tree (PSS, sampled every 5 ms: shared pages such
     as a memory map count once; RSS summed over the processes for comparison), this process
     counted by what it gained during the call (the array itself is in neither);
   - cold start with torch: pool creation to the first result of a task that uses torch;
@@ -192,7 +193,7 @@ class TreeMemory:
     cases and by the other backend's calls, and never given back) is neither backend's cost,
     and counted whole it went to whichever backend was measured second (+16 MiB)."""
 
-    def __init__(self, interval_s: float = 0.02) -> None:
+    def __init__(self, interval_s: float = 0.005) -> None:
         import psutil
 
         self._me = psutil.Process()
@@ -338,7 +339,8 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(f"joblib {joblib.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"n_jobs={n}, host: {os.environ.get('GPUWARDEN_SIMULATE') or 'NVML'}, "
-          f"load average {load:.1f}; every row: the median of {repeat}")
+          f"load average {load:.1f}; every row: the median of {repeat} (the large array: "
+          f"{2 * repeat})")
     ratios: dict[str, float] = {}  # each case's gpuwarden / loky, for the summary
 
     def reset() -> None:
@@ -347,29 +349,31 @@ def main() -> int:
 
     if args.only != "suite":
         # -- executor level: loky's reusable executor vs GPUPool, one submit per task --------
-        # Each repetition starts a pool cold (first result) and then runs the tiny tasks.
-        def executor_row(make: Callable[[], Any]) -> tuple[float, float]:
-            firsts, per_task = [], []
-            for _ in range(repeat):
+        # Each repetition starts a pool cold (first result) and then runs the tiny tasks; the
+        # three take turns, repetition by repetition, in a rotating order (a per-task row moves
+        # by 15% with the box's load: measured in blocks, whichever ran in a quiet minute won).
+        makers: dict[str, Callable[[], Any]] = {
+            "loky executor": lambda: get_reusable_executor(max_workers=n, reuse=False),
+            **{f"GPUPool {method}": (lambda method=method: GPUPool(
+                workers_per_gpu=per_gpu, max_workers=n, start_method=method, preload=()))
+               for method in ("forkserver", "spawn")}}
+        executor_firsts: dict[str, list[float]] = {name: [] for name in makers}
+        executor_tasks: dict[str, list[float]] = {name: [] for name in makers}
+        for rep in range(repeat):
+            names = list(makers)
+            for name in names[rep % 3:] + names[:rep % 3]:
                 t0 = time.perf_counter()
-                pool = make()
+                pool = makers[name]()
                 pool.submit(tiny, 0).result()
-                firsts.append(time.perf_counter() - t0)
+                executor_firsts[name].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 for f in [pool.submit(tiny, i) for i in range(tasks)]:
                     f.result()
-                per_task.append((time.perf_counter() - t0) / tasks)
+                executor_tasks[name].append((time.perf_counter() - t0) / tasks)
                 pool.shutdown(wait=True)
-            return statistics.median(per_task), statistics.median(firsts)
-
-        rows: list[tuple[str, float, float]] = []
-        loky_task, loky_first = executor_row(
-            lambda: get_reusable_executor(max_workers=n, reuse=False))
-        rows.append(("loky executor, submit() per task", loky_task, loky_first))
-        for method in ("forkserver", "spawn"):
-            rows.append((f"GPUPool {method}, submit() per task", *executor_row(
-                lambda: GPUPool(workers_per_gpu=per_gpu, max_workers=n,  # noqa: B023
-                                start_method=method, preload=()))))  # noqa: B023
+        rows: list[tuple[str, float, float]] = [
+            (f"{name}, submit() per task", statistics.median(executor_tasks[name]),
+             statistics.median(executor_firsts[name])) for name in makers]
 
         # -- joblib level: Parallel with backend loky vs gpuwarden (auto-batching in both) ---
         # The backends alternate, repetition by repetition: a first result from cold is ~0.2 s,
@@ -478,22 +482,33 @@ def main() -> int:
             print(f"\na {array.nbytes / 2**20:.0f} MB float64 array to each of 8 tasks "
                   f"(a.sum()), n_jobs={n}, warm workers; peak memory of the process tree:")
             print(f"  {'':40} {'time':>8} {'peak PSS':>10} {'peak RSS sum':>13}")
-            measured: dict[str, tuple[float, float]] = {}
-            for backend, extra in (("loky", {}), ("gpuwarden", {"preload": ()})):
-                with joblib.parallel_config(backend=backend, n_jobs=n, **extra):
-                    Parallel()(delayed(tiny)(i) for i in range(n))  # warm the workers
-                    # ... and this process: its first call with the array grows its heap by
-                    # ~16 MiB that stays (joblib's hashing and dumping, either backend), which
-                    # was counted in the peak of whichever backend was measured first.
-                    Parallel()(delayed(array_sum)(array) for _ in range(n))
-                    runs = []
-                    for _ in range(repeat):
+            # The backends take turns, each turn from fresh workers warmed the same way (one
+            # backend's idle workers are not in the other's peak), twice as many turns as the
+            # other rows: loky's time here is bimodal (~200 or ~320 ms from one block of runs to
+            # the next), and the peak depends on how many of the array's pages each worker has
+            # mapped at once (280-410 MiB for either backend, sampled every 5 ms; every 20 ms
+            # missed the peak by up to 200 MiB).
+            array_backends = {"loky": {}, "gpuwarden": {"preload": ()}}
+            runs: dict[str, list[tuple[float, int, int]]] = {b: [] for b in array_backends}
+            for rep in range(2 * repeat):
+                for backend in list(array_backends)[::1 if rep % 2 == 0 else -1]:
+                    with joblib.parallel_config(backend=backend, n_jobs=n,
+                                                **array_backends[backend]):
+                        Parallel()(delayed(tiny)(i) for i in range(n))  # warm the workers
+                        # ... and this process: its first call with the array grows its heap
+                        # by ~16 MiB that stays (joblib's hashing and dumping, either
+                        # backend), which was counted in the peak of whichever came first.
+                        Parallel()(delayed(array_sum)(array) for _ in range(n))
                         took, memory = large_array_run(
                             lambda: Parallel()(delayed(array_sum)(array) for _ in range(8)))
-                        runs.append((took, memory.peak_pss, memory.peak_rss))
-                    took, pss, rss = (statistics.median(r[i] for r in runs) for i in range(3))
-                    assert Parallel()(delayed(array_sum)(array) for _ in range(1)) == [expected]
-                reset()
+                        runs[backend].append((took, memory.peak_pss, memory.peak_rss))
+                        if rep == 0:
+                            assert Parallel()(delayed(array_sum)(array) for _ in range(1)) \
+                                == [expected]
+                    reset()
+            measured: dict[str, tuple[float, float]] = {}
+            for backend, backend_runs in runs.items():
+                took, pss, rss = (statistics.median(r[i] for r in backend_runs) for i in range(3))
                 measured[backend] = (took, pss)
                 print(f"  {'joblib Parallel, backend=' + backend:40} {took * 1e3:6.0f} ms "
                       f"{pss / 2**20:7.0f} MiB {rss / 2**20:10.0f} MiB")
