@@ -124,6 +124,32 @@ def test_n_jobs_minus_one_reuses_warm_workers_that_nvml_lists(scenario, lease_di
         shutdown_reusable_pool()
 
 
+def test_n_jobs_minus_one_beside_a_warm_pool_reads_the_host_once_in_a_while(
+        two_gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What n_jobs=-1 means beside the warm pool is counted afresh after OTHER_GPUS_TTL_S,
+    not at every call: the count (NVML and the leases) was ~1 ms of a ~11 ms call."""
+    from gpuwarden.pool import gpus, joblib_backend
+
+    counted = []
+    real = gpus.usable_gpu_count
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counted.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpus, "usable_gpu_count", counting)
+    with parallel_config(backend="gpuwarden", n_jobs=-1, preload=()):
+        assert Parallel()(delayed(abs)(-x) for x in range(4)) == [0, 1, 2, 3]  # the warm pool
+        counted.clear()
+        for _ in range(30):
+            assert Parallel()._effective_n_jobs() == 2  # its own GPUs, none beside them
+        assert len(counted) == 1
+        monkeypatch.setattr(joblib_backend, "OTHER_GPUS_TTL_S", 0.0)
+        for _ in range(3):
+            assert Parallel()._effective_n_jobs() == 2
+        assert len(counted) == 4  # past the time: counted at every call
+
+
 def test_n_jobs_minus_one_counts_shared_gpus_when_the_pool_allows_them(
         scenario, lease_dir, tmp_path, no_leftover_processes) -> None:
     host = tmp_path / "busy.json"

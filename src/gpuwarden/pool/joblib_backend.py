@@ -57,10 +57,11 @@ IDLE_WORKER_TIMEOUT_S = 10.0
 PARKED_WORKER_TIMEOUT_S = 300.0
 # The module every task of this backend needs in its worker (preloaded by the fork server).
 JOBLIB_PRELOAD = "joblib.parallel"
-# How long the answer to "could a new pool get more GPUs than the warm one holds?" is kept
-# (_other_gpus).
+# How long an answer to "how many GPUs could a pool get beside the warm one's?" is kept
+# (_count_beside): it costs ~1 ms (NVML and the leases), and scikit-learn's tests make hundreds
+# of Parallel calls a second with the same warm pool.
 OTHER_GPUS_TTL_S = 2.0
-_other_gpus_seen: tuple[Any, float, int] | None = None  # (pool, when, answer), under _lock
+_beside_seen: dict[str, tuple[Any, float, int]] = {}  # question -> (warm pool, when, answer)
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
 # configure()); joblib's own defaults apply when a caller gives none.
 _MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
@@ -115,17 +116,22 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
         # Other settings replace the warm pool anyway: let its GPUs go before counting them.
         release_if_idle()
     workers_per_gpu = int(pool_kwargs.get("workers_per_gpu") or 1)
-    min_free = pool_kwargs.get("min_free")
-    mem = pool_kwargs.get("mem_per_worker")
-    gpus = usable_gpu_count(
-        pool_kwargs.get("gpus", "auto"), workers_per_gpu=workers_per_gpu,
-        min_free_bytes=make_request(1, min_free=min_free).constraints.min_free_bytes,
-        allow_shared=bool(pool_kwargs.get("allow_shared", False)),
-        inventory=pool_kwargs.get("inventory"),
-        mem_per_worker_bytes=make_request(1, mem=mem).memory_bytes if mem is not None else 0)
-    if own is not None and own.holds_gpus:  # a parked pool's GPUs are counted above
-        explicit = pool_kwargs.get("gpus", "auto") != "auto"
-        gpus = len(own.gpus) if explicit else len(own.gpus) + gpus
+    spec = pool_kwargs.get("gpus", "auto")
+
+    def count() -> int:
+        min_free, mem = pool_kwargs.get("min_free"), pool_kwargs.get("mem_per_worker")
+        return usable_gpu_count(
+            spec, workers_per_gpu=workers_per_gpu,
+            min_free_bytes=make_request(1, min_free=min_free).constraints.min_free_bytes,
+            allow_shared=bool(pool_kwargs.get("allow_shared", False)),
+            inventory=pool_kwargs.get("inventory"),
+            mem_per_worker_bytes=make_request(1, mem=mem).memory_bytes if mem is not None else 0)
+
+    if own is not None and own.holds_gpus:  # a parked pool's GPUs are counted afresh
+        gpus = len(own.gpus) if spec != "auto" else \
+            len(own.gpus) + _count_beside(own, "n_jobs=-1 " + settings, count)
+    else:
+        gpus = count()
     if gpus:
         return gpus * workers_per_gpu, True
     if own is not None:
@@ -199,20 +205,26 @@ def _fits(pool: GPUPool, n_workers: int, pool_kwargs: dict[str, Any], *, shared:
 
 
 def _other_gpus(pool: GPUPool, pool_kwargs: dict[str, Any]) -> int:
-    """GPUs a new pool could take beside ``pool``'s, asked again after :data:`OTHER_GPUS_TTL_S`:
-    the answer (NVML and the leases: ~1 ms) only decides whether a call grows the warm pool or
-    makes one over more GPUs, and scikit-learn's tests make hundreds of calls a second."""
+    """GPUs a new pool could take beside ``pool``'s: it only decides whether a call grows the
+    warm pool or makes one over more GPUs."""
     from gpuwarden.pool.gpus import usable_gpu_count
 
-    global _other_gpus_seen
+    return _count_beside(pool, "other", lambda: usable_gpu_count(
+        "auto", inventory=pool_kwargs.get("inventory"),
+        allow_shared=bool(pool_kwargs.get("allow_shared", False))))
+
+
+def _count_beside(pool: GPUPool, question: str, count: Callable[[], int]) -> int:
+    """``count()``, a number of GPUs usable beside the warm ``pool``'s, asked again after
+    :data:`OTHER_GPUS_TTL_S` or for another pool: a GPU another job frees or takes meanwhile
+    is seen that much later (its lease, not this count, decides what a pool gets)."""
     now = time.monotonic()
-    seen = _other_gpus_seen
+    seen = _beside_seen.get(question)
     if seen is not None and seen[0] is pool and now - seen[1] < OTHER_GPUS_TTL_S:
         return seen[2]
-    others = usable_gpu_count("auto", inventory=pool_kwargs.get("inventory"),
-                              allow_shared=bool(pool_kwargs.get("allow_shared", False)))
-    _other_gpus_seen = (pool, now, others)  # the warm pool's answer alone
-    return others
+    answer = count()
+    _beside_seen[question] = (pool, now, answer)  # the warm pool's answer alone
+    return answer
 
 
 def _done_with(pool: GPUPool, idle_s: float) -> None:
