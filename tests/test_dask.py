@@ -570,22 +570,30 @@ def test_a_worker_whose_announcement_was_lost_still_fails_its_task_when_killed(
     """Beside a CPU hog the scheduler missed a nanny's announcement (a 5 s timeout); the plugin
     then held nothing when that worker died, and Dask ran the task again. The nanny now tries
     again, and its death report says who the worker was: the task fails with the death."""
-    marker = tmp_path / "unannounced.pid"
+    marker, done = tmp_path / "unannounced.pid", tmp_path / "done"
 
     def slow() -> int:
         if not marker.exists():
             marker.write_text(str(os.getpid()))
-        time.sleep(60)  # a second run, elsewhere, is still running when the report comes
+        # A second run, elsewhere, may still run when the report comes: it ends with the test
+        # (a running task outlives its client, and held a GPU of the shared cluster for the
+        # next test's tasks to wait up to a minute behind it).
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 1
 
     with Client(cluster.address) as client:
         worker = wait_for_worker(client, "box-b/GPU0/0")
         assert client.run_on_scheduler(_forget_announcement, address=worker)
         future = client.submit(slow, workers=[worker], allow_other_workers=True, pure=False)
-        until("the task started", lambda: marker.exists() and marker.read_text())
-        os.kill(int(marker.read_text()), signal.SIGKILL)
-        with pytest.raises(DaskWorkerDiedError) as err:
-            future.result(timeout=60)
+        try:
+            until("the task started", lambda: marker.exists() and marker.read_text())
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+            with pytest.raises(DaskWorkerDiedError) as err:
+                future.result(timeout=60)
+        finally:
+            done.touch()
     assert err.value.worker == "box-b/GPU0/0" and err.value.exit_status == "SIGKILL(-9)"
     assert err.value.host == "box-b" and err.value.gpu == "GPU 0"
 
