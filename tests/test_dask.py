@@ -34,6 +34,7 @@ from gpuwarden.errors import DaskWorkerDiedError  # noqa: E402
 from gpuwarden.inventory.snapshot import GPUSnapshot  # noqa: E402
 from gpuwarden.lease import acquire, list_leases  # noqa: E402
 from gpuwarden.select import Constraints  # noqa: E402
+from tests import pool_tasks  # noqa: E402
 from tests.conftest import SCENARIOS, until, wait_until_gone  # noqa: E402
 
 # A hang guard, far above a loaded machine's times (each test may start a scheduler and
@@ -281,31 +282,31 @@ def test_leases_are_held_by_the_worker_command_while_it_runs(cluster: Cluster) -
 
 def test_sigkilled_worker_fails_its_task_naming_host_gpu_and_signal(cluster: Cluster,
                                                                   tmp_path: Path) -> None:
-    marker = tmp_path / "victim.pid"
+    marker, done = tmp_path / "victim.pid", tmp_path / "done"
 
     def job(i: int) -> dict[str, Any]:
         if i == 3:
             marker.write_text(str(os.getpid()))
-            time.sleep(60)
+            pool_tasks.wait_for_file(str(done), 60)  # a run elsewhere ends with the test
         return where_am_i(i, 0.5)
 
     with Client(cluster.address) as client:
         futures = [client.submit(job, i, pure=False) for i in range(8)]
-        deadline = time.monotonic() + 60
-        while not marker.exists() or not marker.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        victim = int(marker.read_text())
-        victim_info = next(r for r in client.run(lambda: (os.getpid(), os.environ.get(
-            "CUDA_VISIBLE_DEVICES"))).items() if r[1][0] == victim)
-        os.kill(victim, signal.SIGKILL)
-        with pytest.raises(DaskWorkerDiedError) as err:
-            try:
-                futures[3].result(timeout=60)
-            except TimeoutError as exc:  # the task ran again elsewhere: say what the logs say
-                raise AssertionError(f"task 3 neither failed nor finished:\n{cluster.logs()}") \
-                    from exc
-        others = [f.result(timeout=60) for i, f in enumerate(futures) if i != 3]
+        try:
+            until("task 3 started", lambda: marker.exists() and marker.read_text())
+            victim = int(marker.read_text())
+            victim_info = next(r for r in client.run(lambda: (os.getpid(), os.environ.get(
+                "CUDA_VISIBLE_DEVICES"))).items() if r[1][0] == victim)
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(DaskWorkerDiedError) as err:
+                try:
+                    futures[3].result(timeout=60)
+                except TimeoutError as exc:  # it ran again elsewhere: say what the logs say
+                    raise AssertionError(f"task 3 neither failed nor finished:\n"
+                                         f"{cluster.logs()}") from exc
+            others = [f.result(timeout=60) for i, f in enumerate(futures) if i != 3]
+        finally:
+            done.touch()
     e = err.value
     assert e.exit_status == "SIGKILL(-9)"
     assert e.host in ("box-a", "box-b")
@@ -520,7 +521,7 @@ def test_a_task_moved_by_work_stealing_fails_with_the_worker_it_moved_to(cluster
     """Stealing moves a task without a transition: the death of the worker it moved to, not of
     the one it was first sent to, fails it (on a loaded machine Dask steals on its own; the
     task then ran again instead of failing)."""
-    gate, marker = tmp_path / "gate", tmp_path / "stolen.pid"
+    gate, marker, done = tmp_path / "gate", tmp_path / "stolen.pid", tmp_path / "done"
 
     def block() -> int:
         while not gate.exists():
@@ -529,7 +530,7 @@ def test_a_task_moved_by_work_stealing_fails_with_the_worker_it_moved_to(cluster
 
     def moved() -> int:
         marker.write_text(str(os.getpid()))
-        time.sleep(60)
+        pool_tasks.wait_for_file(str(done), 60)  # a run elsewhere ends with the test
         return 1
 
     with Client(cluster.address) as client:
@@ -556,6 +557,7 @@ def test_a_task_moved_by_work_stealing_fails_with_the_worker_it_moved_to(cluster
                                          f"{cluster.logs()}") from exc
         finally:
             gate.touch()
+            done.touch()
         assert blocker.result(timeout=60) == 0
     assert err.value.worker == name and err.value.exit_status == "SIGKILL(-9)"
 
@@ -578,9 +580,7 @@ def test_a_worker_whose_announcement_was_lost_still_fails_its_task_when_killed(
         # A second run, elsewhere, may still run when the report comes: it ends with the test
         # (a running task outlives its client, and held a GPU of the shared cluster for the
         # next test's tasks to wait up to a minute behind it).
-        deadline = time.monotonic() + 60
-        while not done.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        pool_tasks.wait_for_file(str(done), 60)
         return 1
 
     with Client(cluster.address) as client:
