@@ -61,7 +61,9 @@ JOBLIB_PRELOAD = "joblib.parallel"
 # (_count_beside): it costs ~1 ms (NVML and the leases), and scikit-learn's tests make hundreds
 # of Parallel calls a second with the same warm pool.
 OTHER_GPUS_TTL_S = 2.0
-_beside_seen: dict[str, tuple[Any, float, int]] = {}  # question -> (warm pool, when, answer)
+# question -> (warm pool, when, answer); one entry per question, kept for one pool (whose
+# settings the answer was counted under: a pool is the warm one only for its own settings)
+_beside_seen: dict[str, tuple[Any, float, int]] = {}
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
 # configure()); joblib's own defaults apply when a caller gives none.
 _MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
@@ -129,7 +131,7 @@ def _usable_slots(pool_kwargs: dict[str, Any]) -> tuple[int, bool]:
 
     if own is not None and own.holds_gpus:  # a parked pool's GPUs are counted afresh
         gpus = len(own.gpus) if spec != "auto" else \
-            len(own.gpus) + _count_beside(own, "n_jobs=-1 " + settings, count)
+            len(own.gpus) + _count_beside(own, "n_jobs=-1", count)
     else:
         gpus = count()
     if gpus:
