@@ -4,7 +4,8 @@ Measured in one run, same number of workers for everyone; every row is the media
 --repeat (5) measurements (the large array's, of twice as many), the competitors taking turns
 repetition by repetition, and a summary lists each case's gpuwarden / loky ratio:
   - per-task overhead: wall time / number of tiny tasks, warm workers;
-  - first-result latency: from creating the pool (cold) to the first result;
+  - first-result latency: from creating the pool (cold) to the first result; for joblib's
+    Parallel also its CPU: the pool's processes', from creating the pool to its shutdown;
   - a tiny torch computation per task (a 64x64 matmul), warm workers, both preloading torch
     (per-task time and the threads each worker runs with);
   - Parallel calls that alternate n_jobs (n, 2n, n, ...): a warm pool resized, not rebuilt;
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -237,6 +239,12 @@ class TreeMemory:
         self._sample()
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's reaped children and their reaped ones."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def large_array_run(run: Callable[[], list[float]]) -> tuple[float, TreeMemory]:
     """Wall time and peak tree memory of one call; each process first drops unused heap."""
     import gc
@@ -395,6 +403,21 @@ def main() -> int:
             rows.append((f"joblib Parallel, backend={backend}",
                          statistics.median(per_task[backend]), statistics.median(firsts[backend])))
         reset()
+        # What a cold first result costs in CPU: the CPU time of the processes the pool started
+        # (counted when they are reaped, at shutdown), from creating the pool to its shutdown
+        # after the first result. loky's workers each import joblib and numpy, at once, and
+        # the first ready one runs the batch; gpuwarden's fork server imports them once and
+        # forks its workers.
+        first_cpu: dict[str, list[float]] = {b: [] for b in backends}
+        for rep in range(repeat):
+            for backend in list(backends)[::1 if rep % 2 == 0 else -1]:
+                reset()
+                before = children_cpu_s()
+                with joblib.parallel_config(backend=backend, n_jobs=n, **backends[backend]):
+                    next(iter(Parallel(return_as="generator")(delayed(tiny)(i) for i in range(1))))
+                reset()
+                first_cpu[backend].append(children_cpu_s() - before)
+        cold_cpu = {b: statistics.median(v) for b, v in first_cpu.items()}
 
         print(f"\n{tasks} tiny tasks (x + 1), n_jobs={n}:")
         print(f"{'':42} {'per task':>10} {'ratio':>7} {'first result (cold)':>20} {'ratio':>7}")
@@ -406,6 +429,12 @@ def main() -> int:
             base = rows[3] if name.startswith("joblib") else rows[0]
             ratios[f"{name}: per task"] = per_task_s / base[1]
             ratios[f"{name}: first result"] = first / base[2]
+        ratios["joblib Parallel, backend=gpuwarden: first result, CPU"] = \
+            cold_cpu["gpuwarden"] / cold_cpu["loky"]
+        print(f"joblib Parallel, first result from cold, the CPU of the pool's processes (until "
+              f"its shutdown): loky {cold_cpu['loky'] * 1e3:.0f} ms, gpuwarden "
+              f"{cold_cpu['gpuwarden'] * 1e3:.0f} ms "
+              f"({ratios['joblib Parallel, backend=gpuwarden: first result, CPU']:.2f}x)")
 
         # -- a tiny torch computation per task, warm workers preloading torch ----------------
         import torch  # noqa: F401 - the gpuwarden backend then preloads it in its fork server
