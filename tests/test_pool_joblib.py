@@ -141,6 +141,8 @@ def test_n_jobs_minus_one_beside_a_warm_pool_reads_the_host_once_in_a_while(
     with parallel_config(backend="gpuwarden", n_jobs=-1, preload=()):
         assert Parallel()(delayed(abs)(-x) for x in range(4)) == [0, 1, 2, 3]  # the warm pool
         counted.clear()
+        # An hour: the 30 calls are within it however long a loaded box takes over them
+        monkeypatch.setattr(joblib_backend, "OTHER_GPUS_TTL_S", 3600.0)
         for _ in range(30):
             assert Parallel()._effective_n_jobs() == 2  # its own GPUs, none beside them
         assert len(counted) == 1
