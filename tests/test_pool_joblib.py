@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+import weakref
 from collections import defaultdict
 from pathlib import Path
 
@@ -126,7 +128,7 @@ def test_n_jobs_minus_one_reuses_warm_workers_that_nvml_lists(scenario, lease_di
 
 def test_n_jobs_minus_one_beside_a_warm_pool_reads_the_host_once_in_a_while(
         two_gpus, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What n_jobs=-1 means beside the warm pool is counted afresh after OTHER_GPUS_TTL_S,
+    """What n_jobs=-1 means beside the warm pool is counted afresh after BESIDE_TTL_S,
     not at every call: the count (NVML and the leases) was ~1 ms of a ~11 ms call."""
     from gpuwarden.pool import gpus, joblib_backend
 
@@ -142,14 +144,21 @@ def test_n_jobs_minus_one_beside_a_warm_pool_reads_the_host_once_in_a_while(
         assert Parallel()(delayed(abs)(-x) for x in range(4)) == [0, 1, 2, 3]  # the warm pool
         counted.clear()
         # An hour: the 30 calls are within it however long a loaded box takes over them
-        monkeypatch.setattr(joblib_backend, "OTHER_GPUS_TTL_S", 3600.0)
+        monkeypatch.setattr(joblib_backend, "BESIDE_TTL_S", 3600.0)
         for _ in range(30):
             assert Parallel()._effective_n_jobs() == 2  # its own GPUs, none beside them
         assert len(counted) == 1
-        monkeypatch.setattr(joblib_backend, "OTHER_GPUS_TTL_S", 0.0)
+        monkeypatch.setattr(joblib_backend, "BESIDE_TTL_S", 0.0)
         for _ in range(3):
             assert Parallel()._effective_n_jobs() == 2
         assert len(counted) == 4  # past the time: counted at every call
+        warm = weakref.ref(joblib_backend._reusable["pool"])
+    shutdown_reusable_pool()
+    # The answers keep nothing of the pool they were counted for (a cancelled idle timer's
+    # thread may hold it a moment longer, until it ends)
+    assert joblib_backend._beside_seen
+    until("the shut-down pool collected", lambda: gc.collect() is not None and warm() is None,
+          timeout_s=20)
 
 
 def test_n_jobs_minus_one_counts_shared_gpus_when_the_pool_allows_them(

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -60,10 +61,12 @@ JOBLIB_PRELOAD = "joblib.parallel"
 # How long an answer to "how many GPUs could a pool get beside the warm one's?" is kept
 # (_count_beside): it costs ~1 ms (NVML and the leases), and scikit-learn's tests make hundreds
 # of Parallel calls a second with the same warm pool.
-OTHER_GPUS_TTL_S = 2.0
+BESIDE_TTL_S = 2.0
 # question -> (warm pool, when, answer); one entry per question, kept for one pool (whose
-# settings the answer was counted under: a pool is the warm one only for its own settings)
-_beside_seen: dict[str, tuple[Any, float, int]] = {}
+# settings the answer was counted under: a pool is the warm one only for its own settings),
+# which it does not keep alive: however the pool goes (shut down, replaced, dropped after an
+# abort, released idle), the entry stops answering and holds nothing of it.
+_beside_seen: dict[str, tuple[weakref.ref[Any], float, int]] = {}
 # joblib's memmapping settings, as loky's backend takes them (Parallel passes them to
 # configure()); joblib's own defaults apply when a caller gives none.
 _MEMMAP_DEFAULTS: dict[str, Any] = {"max_nbytes": 1e6, "mmap_mode": "r", "temp_folder": None,
@@ -218,14 +221,14 @@ def _other_gpus(pool: GPUPool, pool_kwargs: dict[str, Any]) -> int:
 
 def _count_beside(pool: GPUPool, question: str, count: Callable[[], int]) -> int:
     """``count()``, a number of GPUs usable beside the warm ``pool``'s, asked again after
-    :data:`OTHER_GPUS_TTL_S` or for another pool: a GPU another job frees or takes meanwhile
+    :data:`BESIDE_TTL_S` or for another pool: a GPU another job frees or takes meanwhile
     is seen that much later (its lease, not this count, decides what a pool gets)."""
     now = time.monotonic()
     seen = _beside_seen.get(question)
-    if seen is not None and seen[0] is pool and now - seen[1] < OTHER_GPUS_TTL_S:
+    if seen is not None and seen[0]() is pool and now - seen[1] < BESIDE_TTL_S:
         return seen[2]
     answer = count()
-    _beside_seen[question] = (pool, now, answer)  # the warm pool's answer alone
+    _beside_seen[question] = (weakref.ref(pool), now, answer)  # the warm pool's answer alone
     return answer
 
 
