@@ -36,6 +36,7 @@ its workers are pinned exactly as on a real one. Usage: python benchmarks/bench_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import resource
@@ -45,7 +46,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -257,15 +258,32 @@ def large_array_run(run: Callable[[], list[float]]) -> tuple[float, TreeMemory]:
     return took, memory
 
 
-def median(fn: Any, repeat: int) -> float:
-    """The median wall time of ``repeat`` calls of ``fn`` (on a shared, loaded box the best of
-    a few flatters whichever side had a quiet moment; the median of 5 is what is compared)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def turns(names: Iterable[str], rep: int) -> list[str]:
+    """The order the competitors go in at repetition ``rep``: rotated each time, so that none
+    always goes first or right after the same other (a shared box's load drifts: measured in
+    blocks, whichever side ran in a quiet minute won by 15-30 %)."""
+    order = list(names)
+    k = rep % len(order)
+    return order[k:] + order[:k]
+
+
+def medians_in_turns(runs: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """The median wall time of ``repeat`` calls of each of ``runs``, the calls taken in turns
+    (the best of a few would flatter whichever side had a quiet moment)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for rep in range(repeat):
+        for name in turns(runs, rep):
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def first_result() -> int:
+    """The first result of a one-task Parallel call in the current joblib configuration."""
+    from joblib import Parallel, delayed
+
+    return next(iter(Parallel(return_as="generator")(delayed(tiny)(i) for i in range(1))))
 
 
 SUITE_LIB = """\
@@ -357,9 +375,7 @@ def main() -> int:
 
     if args.only != "suite":
         # -- executor level: loky's reusable executor vs GPUPool, one submit per task --------
-        # Each repetition starts a pool cold (first result) and then runs the tiny tasks; the
-        # three take turns, repetition by repetition, in a rotating order (a per-task row moves
-        # by 15% with the box's load: measured in blocks, whichever ran in a quiet minute won).
+        # Each repetition starts a pool cold (first result) and then runs the tiny tasks.
         makers: dict[str, Callable[[], Any]] = {
             "loky executor": lambda: get_reusable_executor(max_workers=n, reuse=False),
             **{f"GPUPool {method}": (lambda method=method: GPUPool(
@@ -368,8 +384,7 @@ def main() -> int:
         executor_firsts: dict[str, list[float]] = {name: [] for name in makers}
         executor_tasks: dict[str, list[float]] = {name: [] for name in makers}
         for rep in range(repeat):
-            names = list(makers)
-            for name in names[rep % 3:] + names[:rep % 3]:
+            for name in turns(makers, rep):
                 t0 = time.perf_counter()
                 pool = makers[name]()
                 pool.submit(tiny, 0).result()
@@ -384,17 +399,15 @@ def main() -> int:
              statistics.median(executor_firsts[name])) for name in makers]
 
         # -- joblib level: Parallel with backend loky vs gpuwarden (auto-batching in both) ---
-        # The backends alternate, repetition by repetition: a first result from cold is ~0.2 s,
-        # and a box whose load drifts favoured whichever backend ran its five last.
         backends = {"loky": {}, "gpuwarden": {"workers_per_gpu": per_gpu, "preload": ()}}
         firsts: dict[str, list[float]] = {b: [] for b in backends}
         per_task: dict[str, list[float]] = {b: [] for b in backends}
         for rep in range(repeat):
-            for backend in list(backends)[::1 if rep % 2 == 0 else -1]:
+            for backend in turns(backends, rep):
                 reset()
                 t0 = time.perf_counter()
                 with joblib.parallel_config(backend=backend, n_jobs=n, **backends[backend]):
-                    next(iter(Parallel(return_as="generator")(delayed(tiny)(i) for i in range(1))))
+                    first_result()
                     firsts[backend].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     Parallel()(delayed(tiny)(i) for i in range(tasks))
@@ -410,11 +423,11 @@ def main() -> int:
         # forks its workers.
         first_cpu: dict[str, list[float]] = {b: [] for b in backends}
         for rep in range(repeat):
-            for backend in list(backends)[::1 if rep % 2 == 0 else -1]:
+            for backend in turns(backends, rep):
                 reset()
                 before = children_cpu_s()
                 with joblib.parallel_config(backend=backend, n_jobs=n, **backends[backend]):
-                    next(iter(Parallel(return_as="generator")(delayed(tiny)(i) for i in range(1))))
+                    first_result()
                 reset()
                 first_cpu[backend].append(children_cpu_s() - before)
         cold_cpu = {b: statistics.median(v) for b, v in first_cpu.items()}
@@ -445,15 +458,16 @@ def main() -> int:
         torch_tasks = tasks
         print(f"\na tiny torch computation per task (64x64 matmul), {torch_tasks} tasks, "
               f"n_jobs={n}, warm workers:")
-        torch_rows: dict[str, float] = {}
-        for backend in ("loky", "gpuwarden"):
-            with joblib.parallel_config(backend=backend, n_jobs=n):
-                threads = sorted(set(Parallel()(delayed(torch_threads)(i) for i in range(2 * n))))
-                s = median(lambda: Parallel()(delayed(torch_small)(i)  # noqa: B023
-                                              for i in range(torch_tasks)), repeat)
+        threads = {backend: sorted(set(Parallel(backend=backend, n_jobs=n)(
+            delayed(torch_threads)(i) for i in range(2 * n)))) for backend in ("loky", "gpuwarden")}
+        torch_rows = medians_in_turns(
+            {backend: (lambda backend=backend: Parallel(backend=backend, n_jobs=n)(
+                delayed(torch_small)(i) for i in range(torch_tasks)))
+             for backend in ("loky", "gpuwarden")}, repeat)
+        for backend, s in torch_rows.items():
             torch_rows[backend] = s / torch_tasks
             print(f"  {'joblib Parallel, backend=' + backend:40} {s / torch_tasks * 1e6:8.0f} us "
-                  f"per task (torch threads per worker: {threads})")
+                  f"per task (torch threads per worker: {threads[backend]})")
         ratios["tiny torch task"] = torch_rows["gpuwarden"] / torch_rows["loky"]
         print(f"  gpuwarden / loky: {ratios['tiny torch task']:.2f}x")
         reset()
@@ -463,8 +477,8 @@ def main() -> int:
         print(f"\n{len(calls)} Parallel calls alternating n_jobs {n}/{2 * n} (100 tiny tasks each, "
               "the first call cold):")
         alternating: dict[str, list[float]] = {"loky": [], "gpuwarden": []}
-        for _ in range(repeat):
-            for backend in ("loky", "gpuwarden"):
+        for rep in range(repeat):
+            for backend in turns(alternating, rep):
                 extra = {"preload": ()} if backend == "gpuwarden" else {}
                 reset()
                 t0 = time.perf_counter()
@@ -489,13 +503,16 @@ def main() -> int:
             get_reusable_executor(max_workers=1).submit(tiny, 0).result()
 
         get_reusable_executor(max_workers=1).submit(tiny, 0).result()
-        deaths = {"loky": median(loky_death, repeat)}
-        get_reusable_executor().shutdown(wait=True)
-        for method in ("forkserver", "spawn"):
-            with GPUPool(gpus=1, max_workers=1, start_method=method, preload=()) as pool:
+        with contextlib.ExitStack() as stack:  # a pool per method, one GPU each, side by side
+            death_runs: dict[str, Callable[[], Any]] = {"loky": loky_death}
+            for method in ("forkserver", "spawn"):
+                pool = stack.enter_context(GPUPool(gpus=1, max_workers=1, start_method=method,
+                                                   preload=()))
                 pool.submit(tiny, 0).result()
-                deaths[method] = median(lambda: (pool.submit(die, 0).exception(),  # noqa: B023
-                                                 pool.submit(tiny, 0).result()), repeat)  # noqa: B023
+                death_runs[method] = lambda pool=pool: (pool.submit(die, 0).exception(),
+                                                        pool.submit(tiny, 0).result())
+            deaths = medians_in_turns(death_runs, repeat)
+        get_reusable_executor().shutdown(wait=True)
         for name, took in deaths.items():
             label = "loky executor" if name == "loky" else f"GPUPool {name}"
             print(f"  {label:40} {took * 1e3:8.1f} ms ({took / deaths['loky']:.2f}x loky)")
@@ -520,7 +537,7 @@ def main() -> int:
             array_backends = {"loky": {}, "gpuwarden": {"preload": ()}}
             runs: dict[str, list[tuple[float, int, int]]] = {b: [] for b in array_backends}
             for rep in range(2 * repeat):
-                for backend in list(array_backends)[::1 if rep % 2 == 0 else -1]:
+                for backend in turns(array_backends, rep):
                     with joblib.parallel_config(backend=backend, n_jobs=n,
                                                 **array_backends[backend]):
                         Parallel()(delayed(tiny)(i) for i in range(n))  # warm the workers
@@ -550,33 +567,42 @@ def main() -> int:
         # -- cold start of workers that use torch ---------------------------------------------
         print("\ncold start to the first result of a task that imports torch:")
 
-        def loky_torch_start() -> None:
+        def loky_torch_start() -> float:
+            t0 = time.perf_counter()
             loky = get_reusable_executor(max_workers=n, reuse=False)
             for f in [loky.submit(torch_task, i) for i in range(n)]:
                 f.result()
+            took = time.perf_counter() - t0
             loky.shutdown(wait=True)
+            return took
 
-        loky_torch = median(loky_torch_start, repeat)
+        def pool_torch_start(method: str) -> float:
+            t0 = time.perf_counter()
+            with GPUPool(workers_per_gpu=per_gpu, max_workers=n, start_method=method,
+                         preload=("torch",)) as pool:
+                for f in [pool.submit(torch_task, i) for i in range(n)]:
+                    f.result()
+                took = time.perf_counter() - t0
+                # A replacement worker: what a crash costs before work resumes.
+                t1 = time.perf_counter()
+                pool.submit(os._exit, 1).exception()
+                pool.submit(torch_task, 0).result()
+                respawns[method].append(time.perf_counter() - t1)
+            return took
+
+        starts: dict[str, list[float]] = {"loky": [], "forkserver": [], "spawn": []}
+        respawns: dict[str, list[float]] = {"forkserver": [], "spawn": []}
+        for rep in range(repeat):
+            for name in turns(starts, rep):
+                starts[name].append(loky_torch_start() if name == "loky" else pool_torch_start(name))
+        loky_torch = statistics.median(starts["loky"])
         print(f"  {'loky executor':40} {loky_torch * 1e3:8.0f} ms (all {n} workers)")
         for method in ("forkserver", "spawn"):
-            starts, respawns = [], []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                with GPUPool(workers_per_gpu=per_gpu, max_workers=n, start_method=method,
-                             preload=("torch",)) as pool:
-                    for f in [pool.submit(torch_task, i) for i in range(n)]:
-                        f.result()
-                    starts.append(time.perf_counter() - t0)
-                    # A replacement worker: what a crash costs before work resumes.
-                    t1 = time.perf_counter()
-                    pool.submit(os._exit, 1).exception()
-                    pool.submit(torch_task, 0).result()
-                    respawns.append(time.perf_counter() - t1)
-            took = statistics.median(starts)
+            took = statistics.median(starts[method])
             ratios[f"torch cold start, GPUPool {method}"] = took / loky_torch
             print(f"  {'GPUPool ' + method + ', preload torch':40} {took * 1e3:8.0f} ms "
                   f"({took / loky_torch:.2f}x loky); crash + replacement "
-                  f"{statistics.median(respawns) * 1e3:.0f} ms")
+                  f"{statistics.median(respawns[method]) * 1e3:.0f} ms")
 
     # -- a suite-like sequence: many short Parallel calls, work between, an idle gap --------
     # What scikit-learn's test-suite does to a backend (issue 39): each test calls Parallel
@@ -596,8 +622,8 @@ def main() -> int:
           f"library costing {args.suite_import_ms:g} ms to import in each new worker; "
           "backends alternate:")
     suite: dict[str, list[float]] = {"loky": [], "gpuwarden": []}
-    for _ in range(repeat):
-        for backend in ("loky", "gpuwarden"):
+    for rep in range(repeat):
+        for backend in turns(suite, rep):
             reset()
             extra = {"preload": ()} if backend == "gpuwarden" else {}
             suite[backend].append(suite_round(backend, calls, args.suite_gap_s, extra))
